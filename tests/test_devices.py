@@ -1,0 +1,136 @@
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from tutorial_lib import devices
+
+
+@pytest.mark.parametrize(
+    "name, expected",
+    [
+        ("gpu:1", "/device:GPU:1"),
+        ("/gpu:1", "/device:GPU:1"),
+        ("GPU:1", "/device:GPU:1"),
+        ("/GPU:01", "/device:GPU:1"),
+        ("/device:GPU:1", "/device:GPU:1"),
+        ("device:gpu:3", "/device:GPU:3"),
+        ("/job:localhost/replica:0/task:0/device:GPU:1", "/device:GPU:1"),
+        ("/job:worker/task:2/device:CPU:0", "/device:CPU:0"),
+        ("/cpu:0", "/device:CPU:0"),
+        (" cpu:2 ", "/device:CPU:2"),
+    ],
+)
+def test_normalize_accepts_every_common_form(name, expected):
+    assert devices.normalize(name) == expected
+
+
+def test_normalize_explains_the_seed_bug():
+    bad = "/gpu:{}".format("/device:GPU:0")
+    with pytest.raises(ValueError, match="formatted into another"):
+        devices.normalize(bad)
+
+
+@pytest.mark.parametrize("junk", ["", "gpu", "/gpu:", "/gpu:x", "foo:1", "/device:GPU:-1", "GPU 0"])
+def test_normalize_rejects_junk(junk):
+    with pytest.raises(ValueError, match="is not a device name"):
+        devices.normalize(junk)
+
+
+def test_normalize_rejects_non_strings():
+    with pytest.raises(TypeError):
+        devices.normalize(0)
+
+
+@pytest.mark.parametrize("n", [0, -1, 1.5, True, "2"])
+def test_plan_rejects_bad_counts(n):
+    with pytest.raises(ValueError, match="n >= 1"):
+        devices.plan(n)
+
+
+def test_plan_rejects_unknown_kind():
+    with pytest.raises(ValueError, match="kind must be one of"):
+        devices.plan(2, kind="tpu")
+
+
+def test_plan_without_gpu_simulates_cpus():
+    layout = devices.plan(4, physical_gpus=0)
+    assert (layout.kind, layout.mode, layout.nccl_ok) == ("CPU", "simulated", False)
+
+
+def test_plan_splits_one_gpu_and_marks_nccl_unusable():
+    layout = devices.plan(4, physical_gpus=1)
+    assert (layout.kind, layout.mode, layout.nccl_ok) == ("GPU", "simulated", False)
+    assert "Duplicate GPU" in layout.reason
+
+
+def test_plan_uses_real_gpus_when_there_are_enough():
+    layout = devices.plan(2, physical_gpus=8)
+    assert (layout.kind, layout.mode, layout.nccl_ok) == ("GPU", "real", True)
+
+
+def test_environment_variable_forces_cpu_simulation(devs):
+    import os
+
+    assert os.environ[devices.ENV_VAR] == "cpu"  # set by the root conftest.py
+    assert devices.current().kind == "CPU" and "asked for" in devices.current().reason
+
+
+def test_gpu_kind_without_gpu_is_an_error():
+    with pytest.raises(RuntimeError, match="no GPU"):
+        devices.plan(2, kind="gpu", physical_gpus=0)
+
+
+def test_simulate_gives_n_devices_and_is_idempotent(devs, capsys):
+    from tests.conftest import N_DEVICES
+
+    assert devs == [f"/device:CPU:{i}" for i in range(N_DEVICES)]
+    assert devices.simulate(N_DEVICES) == devs
+    assert "logical CPU" in capsys.readouterr().out
+    assert devices.current().n == N_DEVICES
+
+
+def test_simulate_refuses_another_layout_once_started(devs):
+    with pytest.raises(RuntimeError, match="Restart the kernel"):
+        devices.simulate(len(devs) + 1)
+
+
+def _run(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)],
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_simulate_in_a_fresh_process_sets_threads_and_refuses_after_start():
+    result = _run("""
+        import tensorflow as tf
+        from tutorial_lib import devices
+        names = devices.simulate(3)
+        assert names == ['/device:CPU:0', '/device:CPU:1', '/device:CPU:2'], names
+        assert tf.config.threading.get_intra_op_parallelism_threads() == 1
+        assert tf.config.threading.get_inter_op_parallelism_threads() >= 3
+        print('OK')
+    """)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "3 logical CPU device(s)" in result.stdout and "OK" in result.stdout
+
+
+def test_simulate_after_tensorflow_started_says_restart():
+    result = _run("""
+        import tensorflow as tf
+        tf.constant(1.0) + 1  # the runtime starts here, with one CPU device
+        from tutorial_lib import devices
+        devices.simulate(3)
+    """)
+    assert result.returncode != 0
+    assert "Restart the kernel" in result.stderr
+
+
+def test_bytes_per_device(devs):
+    import tensorflow as tf
+
+    with tf.device(devs[1]):
+        a = tf.Variable(tf.zeros([10, 10]))
+    with tf.device(devs[2]):
+        b = tf.Variable(tf.zeros([3], tf.float64))
+    assert devices.bytes_per_device([a, b]) == {devs[1]: 400, devs[2]: 24}
