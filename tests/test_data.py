@@ -1,0 +1,75 @@
+import numpy as np
+import pytest
+
+from tutorial_lib import data
+
+
+def test_load_digits_shapes_ranges_and_split():
+    (x_train, y_train), (x_test, y_test) = data.load_digits()
+    assert x_train.shape == (1497, 8, 8, 1) and x_test.shape == (300, 8, 8, 1)
+    assert x_train.dtype == np.float32 and y_train.dtype == np.int32
+    assert 0.0 <= x_train.min() and x_train.max() <= 1.0
+    assert set(np.unique(y_train)) == set(range(10))
+    # train and test are disjoint rows of the same 1,797 digits
+    rows = {r.tobytes() for r in x_train.reshape(len(x_train), -1)}
+    overlap = sum(r.tobytes() in rows for r in x_test.reshape(len(x_test), -1))
+    assert overlap < 5  # a few digits occur twice in the raw data set
+
+
+def test_load_digits_is_deterministic_and_seeded():
+    (a, _), _ = data.load_digits(seed=0)
+    (b, _), _ = data.load_digits(seed=0)
+    (c, _), _ = data.load_digits(seed=1)
+    np.testing.assert_array_equal(a, b)
+    assert not np.array_equal(a, c)
+
+
+def test_load_digits_rejects_bad_fraction():
+    with pytest.raises(ValueError, match="test_fraction"):
+        data.load_digits(test_fraction=1.0)
+
+
+def test_load_mnist_goes_through_the_keras_loader(tmp_path, monkeypatch):
+    import keras.src.datasets.mnist as keras_mnist
+
+    rng = np.random.default_rng(0)
+    path = tmp_path / "mnist.npz"
+    arrays = {
+        "x_train": rng.integers(0, 256, (6, 28, 28), dtype=np.uint8),
+        "y_train": np.arange(6, dtype=np.uint8),
+        "x_test": rng.integers(0, 256, (2, 28, 28), dtype=np.uint8),
+        "y_test": np.array([7, 9], dtype=np.uint8),
+    }
+    np.savez(path, **arrays)
+    asked = {}
+
+    def fake_get_file(fname, origin, file_hash):  # stands in for the download and cache
+        asked.update(fname=fname, origin=origin)
+        return str(path)
+
+    monkeypatch.setattr(keras_mnist, "get_file", fake_get_file)
+    (x_train, y_train), (x_test, y_test) = data.load_mnist()
+    assert asked["fname"] == "mnist.npz" and asked["origin"].endswith("mnist.npz")
+    assert x_train.shape == (6, 28, 28, 1) and x_test.shape == (2, 28, 28, 1)
+    np.testing.assert_allclose(x_train[..., 0], arrays["x_train"] / 255.0, rtol=1e-6)
+    np.testing.assert_array_equal(y_test, [7, 9])
+    assert y_train.dtype == np.int32
+
+
+def test_make_dataset_batches_evenly(devs):
+    x = np.arange(10, dtype=np.float32)
+    y = np.arange(10, dtype=np.int32)
+    batches = list(data.make_dataset(x, y, batch_size=4, shuffle=False))
+    assert [len(b[0]) for b in batches] == [4, 4]
+    kept = list(data.make_dataset(x, y, batch_size=4, shuffle=False, drop_remainder=False))
+    assert [len(b[0]) for b in kept] == [4, 4, 2]
+    shuffled = np.concatenate([b[0] for b in data.make_dataset(x, y, 5, seed=3)])
+    assert sorted(shuffled) == list(x) and list(shuffled) != list(x)
+
+
+def test_make_dataset_rejects_impossible_batches():
+    x = np.zeros(3, np.float32)
+    with pytest.raises(ValueError, match="larger than the 3 examples"):
+        data.make_dataset(x, x, batch_size=8)
+    with pytest.raises(ValueError, match="batch_size must be >= 1"):
+        data.make_dataset(x, x, batch_size=0)
