@@ -1,0 +1,102 @@
+import matplotlib.pyplot as plt
+import pytest
+import tensorflow as tf
+
+from tutorial_lib import timeline
+
+
+def _weights(devs, n=2, size=256):
+    out = []
+    for d in devs[:n]:
+        with tf.device(d):
+            out.append(tf.Variable(tf.random.stateless_normal([size, size], seed=[0, 1]) / 16))
+    return out
+
+
+def test_placement_reports_the_devices_asked_for(devs):
+    w = _weights(devs)
+
+    def f(x):
+        with tf.device(devs[1]):
+            return tf.matmul(x, w[1], name="on_one")
+
+    where = {name: device for name, _, device in timeline.placement(f, tf.ones([4, 256]))}
+    assert where["on_one"] == "/device:CPU:1"
+
+
+def test_sequential_chain_keeps_one_device_busy_at_a_time(devs):
+    w = _weights(devs)
+
+    def chain(x):
+        for _ in range(4):
+            for d, v in zip(devs[:2], w):
+                with tf.device(d):
+                    x = tf.tanh(tf.matmul(x, v))
+        return x
+
+    events = timeline.trace(chain, tf.ones([256, 256]), steps=2)
+    assert {e.device for e in events} == {"/device:CPU:0", "/device:CPU:1"}
+    assert any(e.type == "MatMul" or "MatMul" in e.type for e in events)
+    assert all(0 <= e.start <= e.end for e in events)
+    busy = timeline.busy_fraction(events)
+    assert all(0 < f <= 1 for f in busy.values())
+    assert timeline.mean_busy_devices(events) < 1.2
+
+
+def test_independent_work_overlaps(devs):
+    w = _weights(devs)
+
+    def parallel(x):
+        outs = []
+        for d, v in zip(devs[:2], w):
+            with tf.device(d):
+                y = x
+                for _ in range(6):
+                    y = tf.tanh(tf.matmul(y, v))
+                outs.append(y)
+        return outs
+
+    events = timeline.trace(parallel, tf.ones([256, 256]))
+    assert timeline.mean_busy_devices(events) > 1.3
+
+
+def test_merged_intervals_do_not_double_count():
+    assert timeline._merged([(0, 2), (1, 3), (5, 6)]) == [[0, 3], [5, 6]]
+    events = [timeline.Event("/device:CPU:0", "a", "X", 0, 2),
+              timeline.Event("/device:CPU:0", "b", "X", 1, 4),
+              timeline.Event("/device:CPU:1", "c", "X", 2, 4)]
+    assert timeline.busy_fraction(events) == {"/device:CPU:0": 1.0, "/device:CPU:1": 0.5}
+    assert timeline.mean_busy_devices(events) == 1.5
+
+
+def test_phase_time_splits_busy_time_by_phase():
+    events = [timeline.Event("/device:CPU:0", "MatMul", "MatMul", 0, 2),
+              timeline.Event("/device:CPU:0", "gradient_tape/MatMul", "MatMul", 2, 5),
+              timeline.Event("/device:CPU:1", "AssignSubVariableOp", "AssignSubVariableOp", 5, 6)]
+    table = timeline.phase_time(events)
+    assert table["/device:CPU:0"] == {"forward": 2, "backward": 3, "update": 0, "other": 0}
+    assert table["/device:CPU:1"]["update"] == 1
+
+
+def test_phases():
+    assert timeline.Event("d", "gradient_tape/MatMul", "MatMul", 0, 1).phase == "backward"
+    assert timeline.Event("d", "AssignSubVariableOp", "AssignSubVariableOp", 0, 1).phase == "update"
+    assert timeline.Event("d", "MatMul", "MatMul", 0, 1).phase == "forward"
+
+
+def test_plot_has_a_lane_per_device_and_labelled_axes():
+    events = [timeline.Event("/device:CPU:0", "a", "X", 0, 2),
+              timeline.Event("/device:CPU:1", "c", "X", 2, 4)]
+    ax = timeline.plot(events, title="demo")
+    assert ax.get_title() == "demo" and ax.get_xlabel() == "time (ms)"
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["/device:CPU:0", "/device:CPU:1"]
+    plt.close(ax.figure)
+
+
+def test_bad_input():
+    with pytest.raises(ValueError, match="steps"):
+        timeline.trace(lambda: tf.constant(1.0), steps=0)
+    with pytest.raises(ValueError, match="no events"):
+        timeline.busy_fraction([])
+    with pytest.raises(ValueError, match="no events"):
+        timeline.plot([])

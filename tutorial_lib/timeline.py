@@ -1,0 +1,213 @@
+"""Measured timelines: which device ran which op, and when.
+
+`trace(fn, *args)` runs `fn` once to warm up, then again under TensorFlow's profiler,
+and returns one `Event` per op execution: the device the op was placed on, its name and
+type, and its start and end in milliseconds. The profiler records *when* each op ran;
+the device comes from the placement in the function's graph, since a logical CPU has no
+timeline of its own. `busy_fraction`, `mean_busy_devices` and `plot` read the events.
+
+Caveat worth teaching: an op is "busy" from its start to its end even while the OS has
+paused its thread, so on C cores more than C devices can look busy at once. Throughput,
+not the timeline, says how many really ran in parallel (notebook 00 measures both).
+"""
+
+from __future__ import annotations
+
+import glob
+import tempfile
+from dataclasses import dataclass
+
+import tensorflow as tf
+
+from .devices import normalize
+
+# Bookkeeping ops that move or name data but do no work worth drawing.
+_SKIP_TYPES = {"_Send", "_Recv", "_HostSend", "_HostRecv", "NoOp", "Const", "_Arg", "_Retval"}
+PHASE_COLORS = {"forward": "tab:blue", "backward": "tab:orange", "update": "tab:green",
+                "other": "tab:gray"}
+
+
+@dataclass(frozen=True)
+class Event:
+    device: str
+    op: str
+    type: str
+    start: float  # milliseconds from the first recorded event
+    end: float
+
+    @property
+    def phase(self) -> str:
+        """forward, backward (ops built by GradientTape) or update (optimizer writes)."""
+        if "gradient_tape" in self.op or "Grad" in self.type:
+            return "backward"
+        if self.type.startswith(("ResourceApply", "AssignSub", "AssignAdd", "Assign")):
+            return "update"
+        if self.type in ("ReadVariableOp", "Identity"):
+            return "other"
+        return "forward"
+
+
+def placement(fn, *args, **kwargs) -> list[tuple[str, str, str]]:
+    """(op name, op type, device) for every op of `fn`'s graph, as TensorFlow placed it.
+
+    Ops with no `tf.device` scope get the default device: the first GPU, or CPU:0.
+    """
+    f = _as_function(fn)
+    graph_def = f.get_concrete_function(*args, **kwargs).graph.as_graph_def()
+    nodes = list(graph_def.node)
+    for function in graph_def.library.function:  # bodies of nested functions and loops
+        nodes.extend(function.node_def)
+    default = _default_device()
+    return [(n.name, n.op, normalize(n.device) if n.device else default) for n in nodes]
+
+
+def trace(fn, *args, steps: int = 1, **kwargs) -> list[Event]:
+    """Run `fn(*args, **kwargs)` `steps` times under the profiler; return its op events.
+
+    `fn` is wrapped in `tf.function` if it is not one, so that ops run as one graph with
+    the placement you gave them. The first call (tracing, first allocations) is not
+    recorded.
+    """
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}.")
+    f = _as_function(fn)
+    result = f(*args, **kwargs)  # warm-up, not traced
+    where = {}
+    for name, _, device in placement(f, *args, **kwargs):
+        where.setdefault(name, device)
+    logdir = tempfile.mkdtemp(prefix="tutorial_trace_")
+    options = tf.profiler.experimental.ProfilerOptions(
+        host_tracer_level=2, python_tracer_level=0, device_tracer_level=1
+    )
+    tf.profiler.experimental.start(logdir, options=options)
+    try:
+        for _ in range(steps):
+            result = f(*args, **kwargs)
+        tf.nest.map_structure(lambda t: t.numpy() if hasattr(t, "numpy") else t, result)
+    finally:
+        tf.profiler.experimental.stop()
+    return _read_events(logdir, where)
+
+
+def _as_function(fn):
+    return fn if hasattr(fn, "get_concrete_function") else tf.function(fn)
+
+
+def _default_device() -> str:
+    gpus = tf.config.list_logical_devices("GPU")
+    return normalize(gpus[0].name) if gpus else "/device:CPU:0"
+
+
+def _read_events(logdir: str, where: dict[str, str]) -> list[Event]:
+    from tensorflow.tsl.profiler.protobuf import xplane_pb2
+
+    raw = []  # (device, op, type, start_ps, end_ps, from_device_plane)
+    for path in glob.glob(f"{logdir}/**/*.xplane.pb", recursive=True):
+        space = xplane_pb2.XSpace()
+        with open(path, "rb") as f:
+            space.ParseFromString(f.read())
+        for plane in space.planes:
+            on_gpu = plane.name.startswith("/device:GPU")
+            for line in plane.lines:
+                t0 = line.timestamp_ns * 1000
+                for e in line.events:
+                    label = _op_label(plane, e) if on_gpu else plane.event_metadata[e.metadata_id].name
+                    op, _, op_type = label.rpartition(":")
+                    device = _lookup(where, op)
+                    if device and op_type not in _SKIP_TYPES:
+                        start = t0 + e.offset_ps
+                        raw.append((device, op, op_type, start, start + e.duration_ps, on_gpu))
+    # On GPUs the host plane only shows kernel launches; keep the GPU plane's kernels.
+    gpu_timed = any(r[5] for r in raw)
+    raw = [r for r in raw if r[5] or not (gpu_timed and "GPU" in r[0])]
+    if not raw:
+        return []
+    zero = min(r[3] for r in raw)
+    events = [Event(d, op, t, (s - zero) / 1e9, (e - zero) / 1e9) for d, op, t, s, e, _ in raw]
+    return sorted(events, key=lambda ev: (ev.start, ev.device))
+
+
+def _op_label(plane, event) -> str:
+    for stat in event.stats:
+        if plane.stat_metadata[stat.metadata_id].name == "tf_op":
+            return stat.str_value or plane.stat_metadata[stat.ref_value].name
+    return ""
+
+
+def _lookup(where: dict[str, str], op: str) -> str | None:
+    """Device of an op; inlined function bodies carry their caller's name as a prefix."""
+    parts = op.split("/")
+    for i in range(len(parts)):
+        device = where.get("/".join(parts[i:]))
+        if device:
+            return device
+    return None
+
+
+# --- reading the events --------------------------------------------------------------
+
+
+def _merged(intervals):
+    """Union of [start, end) intervals as a sorted list without overlaps."""
+    out = []
+    for start, end in sorted(intervals):
+        if out and start <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], end)
+        else:
+            out.append([start, end])
+    return out
+
+
+def span(events) -> float:
+    """Milliseconds from the first op's start to the last op's end."""
+    return max(e.end for e in events) - min(e.start for e in events) if events else 0.0
+
+
+def busy_fraction(events, devices=None) -> dict[str, float]:
+    """For each device, the share of the span during which at least one of its ops ran."""
+    if not events:
+        raise ValueError("no events: was anything traced? trace() returns [] when no op ran.")
+    devices = [normalize(d) for d in devices] if devices else sorted({e.device for e in events})
+    total = span(events)
+    return {d: sum(b - a for a, b in _merged((e.start, e.end) for e in events if e.device == d)) / total
+            for d in devices}
+
+
+def phase_time(events) -> dict[str, dict[str, float]]:
+    """Milliseconds each device spent in each phase (forward, backward, update, other)."""
+    table: dict[str, dict[str, float]] = {}
+    for device in sorted({e.device for e in events}):
+        for phase in PHASE_COLORS:
+            spans = [(e.start, e.end) for e in events if e.device == device and e.phase == phase]
+            table.setdefault(device, {})[phase] = sum(b - a for a, b in _merged(spans))
+    return table
+
+
+def mean_busy_devices(events) -> float:
+    """Average number of devices busy at once over the span (1.0 = one at a time)."""
+    return sum(busy_fraction(events).values())
+
+
+def plot(events, devices=None, title="Per-device timeline", ax=None):
+    """Gantt chart: one lane per device, ops coloured by phase, time in milliseconds."""
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    if not events:
+        raise ValueError("no events to plot.")
+    devices = [normalize(d) for d in devices] if devices else sorted({e.device for e in events})
+    if ax is None:
+        _, ax = plt.subplots(figsize=(9, 0.6 * len(devices) + 1.4), layout="constrained")
+    for lane, device in enumerate(devices):
+        for phase, color in PHASE_COLORS.items():
+            bars = [(e.start, e.end - e.start) for e in events if e.device == device and e.phase == phase]
+            ax.broken_barh(bars, (lane - 0.4, 0.8), color=color)
+    ax.set_yticks(range(len(devices)), devices)
+    ax.invert_yaxis()
+    ax.set_xlabel("time (ms)")
+    ax.set_ylabel("device")
+    ax.set_title(title)
+    used = {e.phase for e in events}
+    ax.legend(handles=[Patch(color=c, label=p) for p, c in PHASE_COLORS.items() if p in used],
+              loc="upper left", bbox_to_anchor=(1.01, 1), fontsize="small")
+    return ax
