@@ -74,7 +74,7 @@ def test_phase_time_splits_busy_time_by_phase():
               timeline.Event("/device:CPU:0", "gradient_tape/MatMul", "MatMul", 2, 5),
               timeline.Event("/device:CPU:1", "AssignSubVariableOp", "AssignSubVariableOp", 5, 6)]
     table = timeline.phase_time(events)
-    assert table["/device:CPU:0"] == {"forward": 2, "backward": 3, "update": 0, "other": 0}
+    assert table["/device:CPU:0"] == {"forward": 2, "backward": 3, "reduce": 0, "update": 0, "other": 0}
     assert table["/device:CPU:1"]["update"] == 1
 
 
@@ -82,6 +82,8 @@ def test_phases():
     assert timeline.Event("d", "gradient_tape/MatMul", "MatMul", 0, 1).phase == "backward"
     assert timeline.Event("d", "AssignSubVariableOp", "AssignSubVariableOp", 0, 1).phase == "update"
     assert timeline.Event("d", "MatMul", "MatMul", 0, 1).phase == "forward"
+    assert timeline.Event("d", "average/AddN", "AddN", 0, 1).phase == "reduce"
+    assert timeline.Event("d", "ring_all_reduce/add_3", "AddV2", 0, 1).phase == "reduce"
 
 
 def test_plot_has_a_lane_per_device_and_labelled_axes():

@@ -23,8 +23,10 @@ from .devices import normalize
 
 # Bookkeeping ops that move or name data but do no work worth drawing.
 _SKIP_TYPES = {"_Send", "_Recv", "_HostSend", "_HostRecv", "NoOp", "Const", "_Arg", "_Retval"}
-PHASE_COLORS = {"forward": "tab:blue", "backward": "tab:orange", "update": "tab:green",
-                "other": "tab:gray"}
+PHASE_COLORS = {"forward": "tab:blue", "backward": "tab:orange", "reduce": "tab:purple",
+                "update": "tab:green", "other": "tab:gray"}
+# Name scopes that mark gradient communication (averaging, all-reduce) in the course's code.
+_REDUCE_SCOPES = ("average", "allreduce", "all_reduce", "ring", "nccl")
 
 
 @dataclass(frozen=True)
@@ -37,7 +39,10 @@ class Event:
 
     @property
     def phase(self) -> str:
-        """forward, backward (ops built by GradientTape) or update (optimizer writes)."""
+        """forward, backward (built by GradientTape), reduce (averaging or all-reduce of
+        gradients, by name scope), update (variable writes) or other (reads, copies)."""
+        if any(scope in self.op.lower() for scope in _REDUCE_SCOPES) or "Collective" in self.type:
+            return "reduce"
         if "gradient_tape" in self.op or "Grad" in self.type:
             return "backward"
         if self.type.startswith(("ResourceApply", "AssignSub", "AssignAdd", "Assign")):
