@@ -29,3 +29,12 @@ def median_time(fn, *args, repeats: int = 5, warmup: int = 1, **kwargs) -> float
         _block(fn(*args, **kwargs))
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def cores_used(fn, *args, repeats: int = 50, **kwargs) -> float:
+    """Average number of busy cores while `fn` runs: process CPU time over wall time."""
+    _block(fn(*args, **kwargs))
+    cpu, wall = time.process_time(), time.perf_counter()
+    for _ in range(repeats):
+        _block(fn(*args, **kwargs))
+    return (time.process_time() - cpu) / (time.perf_counter() - wall)

@@ -36,8 +36,9 @@ class Dense(_Layer):
     def __init__(self, n_in: int, n_out: int, relu: bool = False, seed: int = 0, name=None):
         super().__init__(name=name)
         rng = np.random.default_rng(seed)
-        self.w = tf.Variable(_glorot(rng, (n_in, n_out), n_in, n_out), name="w")
-        self.b = tf.Variable(tf.zeros([n_out]), name="b")
+        with self.name_scope:  # variable names read 'dense0/w:0'
+            self.w = tf.Variable(_glorot(rng, (n_in, n_out), n_in, n_out), name="w")
+            self.b = tf.Variable(tf.zeros([n_out]), name="b")
         self.relu = relu
 
     def __call__(self, x):
@@ -52,8 +53,9 @@ class Conv2D(_Layer):
         super().__init__(name=name)
         rng = np.random.default_rng(seed)
         shape = (3, 3, c_in, c_out)
-        self.w = tf.Variable(_glorot(rng, shape, 9 * c_in, 9 * c_out), name="w")
-        self.b = tf.Variable(tf.zeros([c_out]), name="b")
+        with self.name_scope:
+            self.w = tf.Variable(_glorot(rng, shape, 9 * c_in, 9 * c_out), name="w")
+            self.b = tf.Variable(tf.zeros([c_out]), name="b")
 
     def __call__(self, x):
         return tf.nn.relu(tf.nn.conv2d(x, self.w, strides=1, padding="SAME") + self.b)
