@@ -41,6 +41,9 @@ def test_ring_sends_two_n_minus_one_over_n_of_the_tensor(devs, size):
     if size % 4 == 0:
         assert stats["bytes_sent"] == [expected] * 4
     assert sum(stats["bytes_sent"]) == pytest.approx(4 * expected)
+    # 2(N-1) steps, every device sending once per step to its right-hand neighbour
+    assert len(stats["sends"]) == 2 * 3 * 4
+    assert all(dst == (src + 1) % 4 for _, _, src, dst, _ in stats["sends"])
 
 
 def test_ring_inside_tf_function_with_explicit_devices(devs):
@@ -145,3 +148,15 @@ def test_nccl_version_reads_the_library_or_says_why():
     else:
         major, minor, patch = (int(p) for p in info.version.split("."))
         assert major == 2 and minor >= 0 and info.path.endswith((".so", ".so.2"))
+
+
+def test_mirrored_strategies_of_different_sizes_can_share_a_process(devs):
+    for n in (4, 2, 3):
+        strategy = allreduce.mirrored_strategy(devs[:n])
+
+        @tf.function
+        def total(strategy=strategy):
+            ones = strategy.run(lambda: tf.ones([2]))
+            return strategy.reduce(tf.distribute.ReduceOp.SUM, ones, axis=None)
+
+        np.testing.assert_allclose(total(), [n, n])

@@ -85,8 +85,8 @@ def ring_all_reduce(tensors, average: bool = False, devices=None, stats: dict | 
     Each tensor is cut into N chunks. Reduce-scatter: in step s, device i sends chunk
     (i - s) mod N to device i+1, which adds it to its own copy; after N-1 steps device i
     holds the full sum of chunk (i + 1) mod N. All-gather: N-1 more steps pass the
-    finished chunks around the ring. If `stats` is a dict, `stats["bytes_sent"]` receives
-    the bytes each device sent.
+    finished chunks around the ring. If `stats` is a dict, it receives `bytes_sent` (per
+    device) and `sends`, one (phase, step, source, destination, chunk) per message.
     """
     where = _placed(tensors, devices)
     n = len(tensors)
@@ -96,24 +96,25 @@ def ring_all_reduce(tensors, average: bool = False, devices=None, stats: dict | 
     for t, d in zip(tensors, where):
         with tf.device(d):
             chunks.append(tf.split(tf.reshape(t, [-1]), sizes))
-    sent = [0] * n
+    sent, log = [0] * n, []
 
-    def step(combine, chunk_of):
+    def step(phase, s, combine, chunk_of):
         new = [list(row) for row in chunks]  # every send in a step reads the old values
         for i in range(n):
             c, dst = chunk_of(i), (i + 1) % n
             with tf.device(where[dst]):
                 new[dst][c] = combine(chunks[dst][c], chunks[i][c])
             sent[i] += sizes[c] * dtype.size
+            log.append((phase, s, i, dst, c))
         chunks[:] = new
 
-    for s in range(n - 1):  # reduce-scatter
-        step(lambda mine, received: mine + received, lambda i, s=s: (i - s) % n)
-    for s in range(n - 1):  # all-gather
-        step(lambda mine, received: tf.identity(received), lambda i, s=s: (i + 1 - s) % n)
+    for s in range(n - 1):
+        step("reduce-scatter", s, lambda mine, received: mine + received, lambda i, s=s: (i - s) % n)
+    for s in range(n - 1):
+        step("all-gather", s, lambda mine, received: tf.identity(received), lambda i, s=s: (i + 1 - s) % n)
 
     if stats is not None:
-        stats["bytes_sent"] = sent
+        stats.update(bytes_sent=sent, sends=log)
     results = []
     for i, d in enumerate(where):
         with tf.device(d):
@@ -266,3 +267,15 @@ def nccl_version() -> NcclInfo:
         return NcclInfo(None, found[0], f"the library did not load: {err}")
     major, rest = divmod(code.value, 10000)  # NCCL >= 2.9 encodes X.Y.Z as X*10000 + Y*100 + Z
     return NcclInfo(f"{major}.{rest // 100}.{rest % 100}", found[0], "loaded")
+
+
+def mirrored_strategy(devices, cross_device_ops=None) -> tf.distribute.MirroredStrategy:
+    """A `MirroredStrategy` whose collective keys cannot collide with an earlier one's.
+
+    Every `MirroredStrategy` numbers its collective groups from the same base. A second
+    strategy over a different number of devices in the same process then reuses a group key
+    with another size and fails with "... is joining a group with size 2, but that group has
+    size 4". TensorFlow's own tests move the base between strategies; so does this.
+    """
+    tf.distribute.MirroredStrategy._collective_key_base += 100_000
+    return tf.distribute.MirroredStrategy(devices, cross_device_ops=cross_device_ops)
