@@ -43,7 +43,7 @@ class Event:
         gradients, by name scope), update (variable writes) or other (reads, copies)."""
         if any(scope in self.op.lower() for scope in _REDUCE_SCOPES) or "Collective" in self.type:
             return "reduce"
-        if "gradient_tape" in self.op or "Grad" in self.type:
+        if "gradient_tape" in self.op or "backward" in self.op or "Grad" in self.type:
             return "backward"
         if self.type.startswith(("ResourceApply", "AssignSub", "AssignAdd", "Assign")):
             return "update"
@@ -57,8 +57,11 @@ def placement(fn, *args, **kwargs) -> list[tuple[str, str, str]]:
 
     Ops with no `tf.device` scope get the default device: the first GPU, or CPU:0.
     """
-    f = _as_function(fn)
-    graph_def = f.get_concrete_function(*args, **kwargs).graph.as_graph_def()
+    return _graph_placement(_as_function(fn).get_concrete_function(*args, **kwargs).graph)
+
+
+def _graph_placement(graph) -> list[tuple[str, str, str]]:
+    graph_def = graph.as_graph_def()
     nodes = list(graph_def.node)
     for function in graph_def.library.function:  # bodies of nested functions and loops
         nodes.extend(function.node_def)
@@ -66,19 +69,26 @@ def placement(fn, *args, **kwargs) -> list[tuple[str, str, str]]:
     return [(n.name, n.op, normalize(n.device) if n.device else default) for n in nodes]
 
 
-def trace(fn, *args, steps: int = 1, **kwargs) -> list[Event]:
+def trace(fn, *args, steps: int = 1, placement_of=None, **kwargs) -> list[Event]:
     """Run `fn(*args, **kwargs)` `steps` times under the profiler; return its op events.
 
     `fn` is wrapped in `tf.function` if it is not one, so that ops run as one graph with
     the placement you gave them. The first call (tracing, first allocations) is not
-    recorded.
+    recorded. A Python function that calls several `tf.function`s (a pipeline's ticks)
+    runs as it is when `placement_of` lists their concrete functions (or is a callable
+    that returns them after the warm-up); their graphs then say where each op ran.
     """
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}.")
-    f = _as_function(fn)
+    f = fn if placement_of is not None else _as_function(fn)
     result = f(*args, **kwargs)  # warm-up, not traced
     where = {}
-    for name, _, device in placement(f, *args, **kwargs):
+    if placement_of is not None:
+        functions = placement_of() if callable(placement_of) else placement_of  # after the warm-up
+        rows = [row for concrete in functions for row in _graph_placement(concrete.graph)]
+    else:
+        rows = placement(f, *args, **kwargs)
+    for name, _, device in rows:
         where.setdefault(name, device)
     logdir = tempfile.mkdtemp(prefix="tutorial_trace_")
     options = tf.profiler.experimental.ProfilerOptions(
