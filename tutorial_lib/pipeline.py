@@ -62,8 +62,9 @@ def schedule(stages: int, micro_batches: int, kind: str = "gpipe"):
         return frozenset(s for s in range(S) if 0 <= t - offset(s) < M)
 
     if kind == "sequential":  # the naive split: one micro-batch, one stage at a time
-        one = [(frozenset([s]), frozenset()) for s in range(S)] + [(frozenset(), frozenset([s])) for s in range(S)][::-1]
-        return one * M
+        down = [(frozenset([s]), frozenset()) for s in range(S)]
+        up = [(frozenset(), frozenset([s])) for s in reversed(range(S))]
+        return (down + up) * M
     if kind == "gpipe":
         forward = [(active(t, lambda s: s), frozenset()) for t in range(M + S - 1)]
         backward = [(frozenset(), active(u, lambda s: S - 1 - s)) for u in range(M + S - 1)]
