@@ -1,0 +1,166 @@
+"""The custom training loop of notebook 03, on several machines: `MultiWorkerMirroredStrategy`.
+
+Run one copy per worker, each with its own `TF_CONFIG` (`tutorial_lib.cluster` does that
+on one machine):
+
+    python -m tutorial_lib.multi_worker --steps 40 --out runs/demo
+
+Every worker reads its own shard of the digits, the gradients are all-reduced across the
+workers, and checkpoints are written the way the multi-worker guide asks: the chief into
+the real directory, the others into temporary ones that they delete. A restarted job
+resumes from the last checkpoint and skips the batches it had already consumed, so it
+continues exactly where the checkpoint was taken. `--crash-at` and `--crash-worker` make
+one worker die abruptly, for the fault drill.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+
+HIDDEN, LEARNING_RATE = (64,), 0.5
+
+
+def shard_dataset(worker: int, workers: int, batch: int, seed: int = 0):
+    """Worker `worker`'s endless stream of batches: every workers-th digit, in a fixed order."""
+    import tensorflow as tf
+
+    from . import data
+
+    (x, y), _ = data.load_digits(seed=seed)
+    return tf.data.Dataset.from_tensor_slices((x, y)).shard(workers, worker).repeat().batch(batch, drop_remainder=True)
+
+
+def reference_weights(workers: int, batch: int, steps: int, seed: int = 0):
+    """What the job must end with: the same global batches, trained on one device in one process."""
+    import tensorflow as tf
+
+    from . import models
+
+    model = models.MLP(hidden=HIDDEN, seed=seed)
+    streams = [iter(shard_dataset(w, workers, batch, seed)) for w in range(workers)]
+
+    @tf.function
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = models.cross_entropy(model(x), y)
+        for v, g in zip(model.trainable_variables, tape.gradient(loss, model.trainable_variables)):
+            v.assign_sub(LEARNING_RATE * g)
+        return loss
+
+    for _ in range(steps):
+        parts = [next(s) for s in streams]
+        step(tf.concat([p[0] for p in parts], 0), tf.concat([p[1] for p in parts], 0))
+    return [v.numpy() for v in model.trainable_variables]
+
+
+def _checkpoint_dir(base: str, strategy) -> str:
+    """Chief: the real directory. Others: a temporary one of their own (deleted after saving)."""
+    resolver = strategy.cluster_resolver
+    if resolver.task_type in (None, "chief") or (resolver.task_type == "worker" and resolver.task_id == 0):
+        return base
+    return os.path.join(base, f"tmp_worker{resolver.task_id}")
+
+
+def train(args) -> int:
+    import numpy as np
+    import tensorflow as tf
+
+    from . import models
+
+    # One single-core CPU per worker, like devices.simulate(1); simulate itself would start
+    # TensorFlow's runtime, which the strategy must configure first.
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    options = tf.distribute.experimental.CommunicationOptions(timeout_seconds=args.collective_timeout)
+    strategy = tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
+    resolver = strategy.cluster_resolver
+    workers, me = strategy.num_replicas_in_sync, resolver.task_id
+    is_chief = me == 0
+    global_batch = args.batch * workers
+
+    with strategy.scope():
+        model = models.MLP(hidden=HIDDEN, seed=args.seed)
+        optimizer = tf.keras.optimizers.SGD(LEARNING_RATE)
+        step = tf.Variable(0, dtype=tf.int64, trainable=False)
+    checkpoint = tf.train.Checkpoint(model=model, step=step)
+    target = _checkpoint_dir(args.checkpoint_dir, strategy)
+    manager = tf.train.CheckpointManager(checkpoint, target, max_to_keep=2)
+    # Every worker restores the chief's checkpoint: the only complete one.
+    latest = tf.train.latest_checkpoint(args.checkpoint_dir)
+    if latest:
+        checkpoint.restore(latest)
+    start = int(step.numpy())
+    print(f"worker {me}/{workers}: {'resumed from checkpoint at step ' + str(start) if latest else 'fresh start'}",
+          flush=True)
+
+    def dataset_fn(context):
+        ds = shard_dataset(context.input_pipeline_id, context.num_input_pipelines, args.batch, args.seed)
+        return ds.skip(start)  # the batches consumed before the checkpoint
+
+    batches = iter(strategy.distribute_datasets_from_function(dataset_fn))
+
+    @tf.function
+    def train_step(dist_x, dist_y):
+        def replica_step(x, y):
+            with tf.GradientTape() as tape:
+                per_example = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=model(x))
+                loss = tf.nn.compute_average_loss(per_example, global_batch_size=global_batch)
+            grads = tape.gradient(loss, model.trainable_variables)
+            optimizer.apply_gradients(zip(grads, model.trainable_variables))
+            return loss
+
+        losses = strategy.run(replica_step, args=(dist_x, dist_y))
+        return strategy.reduce(tf.distribute.ReduceOp.SUM, losses, axis=None)
+
+    @tf.function
+    def barrier():
+        return strategy.reduce(tf.distribute.ReduceOp.SUM, strategy.run(lambda: tf.constant(1.0)), axis=None)
+
+    log = open(os.path.join(args.out, "steps.jsonl"), "a") if is_chief else None
+    for k in range(start + 1, args.steps + 1):
+        x, y = next(batches)
+        loss = float(train_step(x, y))
+        step.assign(k)
+        if log:
+            log.write(json.dumps({"step": k, "loss": round(loss, 6)}) + "\n")
+            log.flush()
+        if args.crash_at == k:
+            barrier()  # every worker has finished (and the chief has logged) step k
+            if args.crash_worker == me:
+                print(f"worker {me}: crashing after step {k}", flush=True)
+                os._exit(3)  # abrupt, like a lost machine: no cleanup, no checkpoint
+        if k % args.checkpoint_every == 0 or k == args.steps:
+            manager.save(checkpoint_number=k)  # every worker saves: the save is collective
+            if not is_chief:
+                shutil.rmtree(target, ignore_errors=True)
+    if is_chief:
+        np.savez(os.path.join(args.out, "weights.npz"), *[v.numpy() for v in model.trainable_variables])
+        print(f"worker {me}: done at step {args.steps}, loss {loss:.4f}", flush=True)
+    return 0
+
+
+def parse(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--batch", type=int, default=32, help="examples per worker and step")
+    parser.add_argument("--checkpoint-every", type=int, default=10)
+    parser.add_argument("--out", required=True, help="folder for the step log, weights and checkpoints")
+    parser.add_argument("--checkpoint-dir", default=None, help="default: OUT/checkpoints")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--crash-at", type=int, default=None, help="step after which --crash-worker dies")
+    parser.add_argument("--crash-worker", type=int, default=1)
+    parser.add_argument("--collective-timeout", type=float, default=15.0,
+                        help="seconds a worker waits for a dead peer before failing")
+    args = parser.parse_args(argv)
+    if args.steps < 1 or args.batch < 1 or args.checkpoint_every < 1:
+        parser.error("--steps, --batch and --checkpoint-every must be >= 1")
+    args.checkpoint_dir = args.checkpoint_dir or os.path.join(args.out, "checkpoints")
+    os.makedirs(args.out, exist_ok=True)
+    return args
+
+
+if __name__ == "__main__":
+    sys.exit(train(parse()))
