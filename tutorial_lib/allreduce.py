@@ -185,13 +185,14 @@ def allreduce_grads(all_grads, average: bool = True, method: str = "ring", devic
 def pack(tensors):
     """Flatten and concatenate tensors into one vector; returns (vector, shapes)."""
     shapes = [t.shape for t in tensors]
-    return tf.concat([tf.reshape(t, [-1]) for t in tensors], 0), shapes
+    flat = [t if t.shape.rank == 1 else tf.reshape(t, [-1]) for t in tensors]  # no op for vectors
+    return tf.concat(flat, 0), shapes
 
 
 def unpack(vector, shapes):
     """Inverse of `pack`: cut the vector and restore the shapes."""
     pieces = tf.split(vector, [s.num_elements() for s in shapes])
-    return [tf.reshape(p, s) for p, s in zip(pieces, shapes)]
+    return [p if s.rank == 1 else tf.reshape(p, s) for p, s in zip(pieces, shapes)]
 
 
 def buckets(tensors, max_bytes: int) -> list[list[int]]:
@@ -213,26 +214,34 @@ def buckets(tensors, max_bytes: int) -> list[list[int]]:
     return groups
 
 
-def packed_allreduce_grads(all_grads, max_bytes: int, average: bool = True, method: str = "ring"):
-    """`allreduce_grads` with each tower's gradients packed into buckets first."""
+def packed_allreduce_grads(all_grads, max_bytes: int, average: bool = True, method: str = "ring", devices=None):
+    """`allreduce_grads` with each tower's gradients packed into buckets first.
+
+    Inside a `tf.function`, pass `devices` (one per tower): a tensor's device is not known there.
+    """
     from .towers import _check_tower_grads
 
     _check_tower_grads(all_grads)
     if any(g is None for g in all_grads[0]):
         raise ValueError("packing needs every gradient; drop variables whose gradient is None first.")
+    places = [normalize_or_none(d) for d in devices] if devices else [grads[0].device or None for grads in all_grads]
     out = [[None] * len(all_grads[0]) for _ in all_grads]
     for group in buckets(all_grads[0], max_bytes):
         packed, shapes = [], None
-        for grads in all_grads:
-            with tf.device(grads[group[0]].device or None):
+        for grads, device in zip(all_grads, places):
+            with tf.device(device):
                 vector, shapes = pack([grads[j] for j in group])
             packed.append(vector)
-        reduced = allreduce_grads([[p] for p in packed], average=average, method=method)
-        for k, (vector,) in enumerate(reduced):
-            with tf.device(vector.device or None):
+        reduced = allreduce_grads([[p] for p in packed], average=average, method=method, devices=devices)
+        for k, ((vector,), device) in enumerate(zip(reduced, places)):
+            with tf.device(device):
                 for j, g in zip(group, unpack(vector, shapes)):
                     out[k][j] = g
     return out
+
+
+def normalize_or_none(device):
+    return _devices.normalize(device) if device else None
 
 
 # --- which NCCL is installed ---------------------------------------------------------
