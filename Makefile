@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 RUN_ENV := TUTORIAL_DEVICE=cpu TF_CPP_MIN_LOG_LEVEL=3 PYTHONHASHSEED=0
 NOTEBOOKS := $(sort $(wildcard notebooks/*.ipynb))
 
-.PHONY: install lab test unit notebooks lint clean
+.PHONY: install lab test unit notebooks bench clean
 
 install: $(STAMP)
 
@@ -39,6 +39,10 @@ unit: $(STAMP)
 notebooks: $(STAMP)
 	$(RUN_ENV) $(BIN)/jupyter nbconvert --to notebook --execute --inplace \
 		--ExecutePreprocessor.record_timing=False --ExecutePreprocessor.timeout=600 $(NOTEBOOKS)
+
+# The course's benchmark on this machine: a table, and JSON with BENCH_ARGS="--json bench.json".
+bench: $(STAMP)
+	$(BIN)/python -m tutorial_lib.bench $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache
