@@ -44,19 +44,21 @@ def test_sequential_chain_keeps_one_device_busy_at_a_time(devs):
 
 
 def test_independent_work_overlaps(devs):
-    w = _weights(devs)
+    w = _weights(devs, size=512)
 
     def parallel(x):
         outs = []
         for d, v in zip(devs[:2], w):
             with tf.device(d):
                 y = x
-                for _ in range(6):
+                for _ in range(12):
                     y = tf.tanh(tf.matmul(y, v))
                 outs.append(y)
         return outs
 
-    events = timeline.trace(parallel, tf.ones([256, 256]))
+    # Independent chains on two devices are in progress at the same time (whether the OS
+    # runs both threads at once does not matter to the trace): well above one busy device.
+    events = timeline.trace(parallel, tf.ones([512, 512]), steps=3)
     assert timeline.mean_busy_devices(events) > 1.3
 
 
