@@ -224,7 +224,7 @@ def packed_allreduce_grads(all_grads, max_bytes: int, average: bool = True, meth
     _check_tower_grads(all_grads)
     if any(g is None for g in all_grads[0]):
         raise ValueError("packing needs every gradient; drop variables whose gradient is None first.")
-    places = [normalize_or_none(d) for d in devices] if devices else [grads[0].device or None for grads in all_grads]
+    places = [_normalize_or_none(d) for d in devices] if devices else [grads[0].device or None for grads in all_grads]
     out = [[None] * len(all_grads[0]) for _ in all_grads]
     for group in buckets(all_grads[0], max_bytes):
         packed, shapes = [], None
@@ -240,7 +240,7 @@ def packed_allreduce_grads(all_grads, max_bytes: int, average: bool = True, meth
     return out
 
 
-def normalize_or_none(device):
+def _normalize_or_none(device):
     return _devices.normalize(device) if device else None
 
 

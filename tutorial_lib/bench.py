@@ -62,7 +62,8 @@ def _row(case, variant, seconds, spread, **extra):
     return {"case": case, "variant": variant, "ms": 1e3 * seconds, "spread_ms": 1e3 * spread, **extra}
 
 
-def _data(examples, features=64, seed=0):
+def synthetic_batch(examples, seed=0):
+    """Random 8x8 images and labels: for timing, where the values do not matter."""
     import numpy as np
     import tensorflow as tf
 
@@ -78,7 +79,7 @@ def weak_scaling(devs, hidden=(256, 256), per_device=256, repeats=15):
     from . import allreduce, models, towers
 
     rows = []
-    x, y = _data(per_device * len(devs))
+    x, y = synthetic_batch(per_device * len(devs))
     for k in range(1, len(devs) + 1):
         xk, yk = x[: per_device * k], y[: per_device * k]
         with tf.device(devs[0]):
@@ -150,7 +151,7 @@ def strong_scaling(devs, hidden=(256, 256), global_batch=512, repeats=15):
     from . import models, towers
 
     rows = []
-    x, y = _data(global_batch)
+    x, y = synthetic_batch(global_batch)
     for k in range(1, len(devs) + 1):
         if global_batch % k:
             continue
@@ -228,7 +229,7 @@ def input_pipeline(devs, batch=256, steps=20, read_ms=2.0, repeats=5):
 
     from . import models, towers
 
-    x, y = _data(batch * steps)
+    x, y = synthetic_batch(batch * steps)
     base = tf.data.Dataset.from_tensor_slices((x, y)).batch(batch, drop_remainder=True)
     base = base.apply(sleep(int(read_ms * 1000)))  # waits without using a core, as a disk read does
     plain = tf.data.Options()
