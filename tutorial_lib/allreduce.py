@@ -148,7 +148,7 @@ def nccl_all_reduce(tensors, average: bool = False, devices=None):
                            "ring_all_reduce (method='ring') on logical GPUs.")
     from tensorflow.python.ops import nccl_ops
 
-    summed = nccl_ops.all_sum([tf.identity(t) for t in tensors])
+    summed = nccl_ops.all_sum(list(tensors))  # each tensor already on its own GPU
     return [_finish(t, d, len(tensors), average) for t, d in zip(summed, where)]
 
 
