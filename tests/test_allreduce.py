@@ -160,3 +160,25 @@ def test_mirrored_strategies_of_different_sizes_can_share_a_process(devs):
             return strategy.reduce(tf.distribute.ReduceOp.SUM, ones, axis=None)
 
         np.testing.assert_allclose(total(), [n, n])
+
+
+def test_mirrored_train_step_equals_single_device_sgd(devs):
+    from tutorial_lib import data, models, towers
+
+    (x, y), _ = data.load_digits()
+    x, y = tf.constant(x[:32]), tf.constant(y[:32])
+    strategy = allreduce.mirrored_strategy(devs)
+    with strategy.scope():
+        net, sgd = models.MLP(seed=2), tf.keras.optimizers.SGD(0.5)
+    single = models.MLP(seed=2)
+    step = allreduce.mirrored_train_step(strategy, net, sgd, global_batch=32)
+    dist = strategy.experimental_distribute_values_from_function(
+        lambda ctx: (tf.split(x, 4)[ctx.replica_id_in_sync_group], tf.split(y, 4)[ctx.replica_id_in_sync_group]))
+    for _ in range(2):
+        loss = step(*dist)
+        with tf.GradientTape() as tape:
+            ref = models.cross_entropy(single(x), y)
+        towers.apply_sgd(single.trainable_variables, tape.gradient(ref, single.trainable_variables), 0.5)
+        np.testing.assert_allclose(loss, ref, rtol=1e-5)
+    for a, b in zip(net.trainable_variables, single.trainable_variables):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-5, atol=1e-6)

@@ -128,17 +128,7 @@ def _mirrored(devs, hidden, x, y, repeats, allreduce):
     with strategy.scope():
         net, sgd = models.MLP(hidden=hidden), tf.keras.optimizers.SGD(0.01)
     k, batch = len(devs), int(x.shape[0])
-
-    @tf.function
-    def step(dx, dy):
-        def replica(xr, yr):
-            with tf.GradientTape() as tape:
-                per_example = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=yr, logits=net(xr))
-                loss = tf.nn.compute_average_loss(per_example, global_batch_size=batch)
-            sgd.apply_gradients(zip(tape.gradient(loss, net.trainable_variables), net.trainable_variables))
-
-        strategy.run(replica, args=(dx, dy))
-
+    step = allreduce.mirrored_train_step(strategy, net, sgd, batch)
     dist = strategy.experimental_distribute_values_from_function(
         lambda ctx: (tf.split(x, k)[ctx.replica_id_in_sync_group], tf.split(y, k)[ctx.replica_id_in_sync_group]))
     return measure(step, *dist, repeats=repeats)

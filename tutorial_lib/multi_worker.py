@@ -69,7 +69,7 @@ def train(args) -> int:
     import numpy as np
     import tensorflow as tf
 
-    from . import models
+    from . import allreduce, models
 
     # One single-core CPU per worker, like devices.simulate(1); simulate itself would start
     # TensorFlow's runtime, which the strategy must configure first.
@@ -102,18 +102,7 @@ def train(args) -> int:
 
     batches = iter(strategy.distribute_datasets_from_function(dataset_fn))
 
-    @tf.function
-    def train_step(dist_x, dist_y):
-        def replica_step(x, y):
-            with tf.GradientTape() as tape:
-                per_example = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=model(x))
-                loss = tf.nn.compute_average_loss(per_example, global_batch_size=global_batch)
-            grads = tape.gradient(loss, model.trainable_variables)
-            optimizer.apply_gradients(zip(grads, model.trainable_variables))
-            return loss
-
-        losses = strategy.run(replica_step, args=(dist_x, dist_y))
-        return strategy.reduce(tf.distribute.ReduceOp.SUM, losses, axis=None)
+    train_step = allreduce.mirrored_train_step(strategy, model, optimizer, global_batch)  # notebook 03's step
 
     @tf.function
     def barrier():
