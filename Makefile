@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 RUN_ENV := TUTORIAL_DEVICE=cpu TF_CPP_MIN_LOG_LEVEL=3 PYTHONHASHSEED=0
 NOTEBOOKS := $(sort $(wildcard notebooks/*.ipynb))
 
-.PHONY: install lab test unit notebooks bench clean
+.PHONY: install lab test unit notebooks bench student clean
 
 install: $(STAMP)
 
@@ -28,7 +28,7 @@ lab: $(STAMP)
 	$(BIN)/jupyter lab --ServerApp.root_dir=notebooks $(ALLOW_ROOT) $(LAB_ARGS)
 
 test: $(STAMP)
-	$(BIN)/ruff check tutorial_lib tests notebooks
+	$(BIN)/ruff check tutorial_lib tests notebooks tools
 	$(BIN)/python -m pytest tests $(NOTEBOOKS) --nbval --nbval-current-env \
 		--nbval-sanitize-with tests/nbval_sanitize.cfg $(PYTEST_ARGS)
 
@@ -43,6 +43,10 @@ notebooks: $(STAMP)
 # The course's benchmark on this machine: a table, and JSON with BENCH_ARGS="--json bench.json".
 bench: $(STAMP)
 	$(BIN)/python -m tutorial_lib.bench $(BENCH_ARGS)
+
+# Copies for students: solution cells emptied, outputs cleared (in student/, not committed).
+student:
+	$(PYTHON) tools/student_copies.py notebooks student
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache
