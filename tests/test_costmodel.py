@@ -51,5 +51,7 @@ def test_bad_input():
         costmodel.allreduce_time(1e6, 2, LINK, "tree")
     with pytest.raises(ValueError, match="two or more different sizes"):
         costmodel.fit_alpha_beta([1e3, 1e3], [1, 1], 2)
+    with pytest.raises(ValueError, match="two or more different sizes"):
+        costmodel.fit_compute([64, 64], [1.0, 1.1])
     with pytest.raises(ValueError, match="n >= 2"):
         costmodel.fit_alpha_beta([1e3, 1e4], [1, 2], 1)

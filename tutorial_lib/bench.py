@@ -17,8 +17,7 @@ def _block(result):
     tf.nest.map_structure(lambda t: t.numpy() if hasattr(t, "numpy") else t, result)
 
 
-def median_time(fn, *args, repeats: int = 5, warmup: int = 1, **kwargs) -> float:
-    """Median wall-clock seconds of `fn(*args, **kwargs)` over `repeats` runs after `warmup`."""
+def _times(fn, args, kwargs, repeats: int, warmup: int) -> list[float]:
     if repeats < 1 or warmup < 0:
         raise ValueError(f"need repeats >= 1 and warmup >= 0, got {repeats} and {warmup}.")
     for _ in range(warmup):
@@ -28,7 +27,21 @@ def median_time(fn, *args, repeats: int = 5, warmup: int = 1, **kwargs) -> float
         start = time.perf_counter()
         _block(fn(*args, **kwargs))
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return times
+
+
+def median_time(fn, *args, repeats: int = 5, warmup: int = 1, **kwargs) -> float:
+    """Median wall-clock seconds of `fn(*args, **kwargs)` over `repeats` runs after `warmup`."""
+    return statistics.median(_times(fn, args, kwargs, repeats, warmup))
+
+
+def measure(fn, *args, repeats: int = 5, warmup: int = 1, **kwargs):
+    """(median, spread) in seconds; the spread is the interquartile range of the repeats."""
+    times = _times(fn, args, kwargs, repeats, warmup)
+    if len(times) == 1:
+        return times[0], 0.0
+    q1, _, q3 = statistics.quantiles(times, n=4)
+    return statistics.median(times), q3 - q1
 
 
 def cores_used(fn, *args, repeats: int = 50, **kwargs) -> float:
@@ -41,21 +54,6 @@ def cores_used(fn, *args, repeats: int = 50, **kwargs) -> float:
 
 
 # --- the course's benchmark: python -m tutorial_lib.bench -----------------------------
-
-
-def measure(fn, *args, repeats: int = 5, warmup: int = 1):
-    """(median, spread) in seconds; the spread is the interquartile range of the repeats."""
-    if repeats < 1 or warmup < 0:
-        raise ValueError(f"need repeats >= 1 and warmup >= 0, got {repeats} and {warmup}.")
-    for _ in range(warmup):
-        _block(fn(*args))
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        _block(fn(*args))
-        times.append(time.perf_counter() - start)
-    q1, median, q3 = (statistics.quantiles(times, n=4) if len(times) > 1 else [times[0]] * 3)
-    return median, q3 - q1
 
 
 def _row(case, variant, seconds, spread, **extra):

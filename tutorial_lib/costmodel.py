@@ -85,6 +85,8 @@ def fit_alpha_beta(num_bytes, seconds, n: int, algorithm: str = "ring") -> Alpha
 
 def fit_compute(batch_sizes, seconds) -> Compute:
     """Seconds per example and fixed seconds per step, from one-device step times."""
+    if len(set(batch_sizes)) < 2 or len(batch_sizes) != len(seconds):
+        raise ValueError("fitting compute needs one time per batch size, at two or more different sizes.")
     slope, intercept = np.polyfit(np.asarray(batch_sizes, float), np.asarray(seconds, float), 1)
     return Compute(max(float(slope), 0.0), max(float(intercept), 0.0))
 
