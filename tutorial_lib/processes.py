@@ -1,0 +1,98 @@
+"""Child processes that die with the process that started them, however it ends.
+
+A notebook kernel that starts worker processes (a local cluster, one process per core
+device) must not leave them running when it exits, is interrupted, restarted, or killed.
+Three layers, because no single one covers every ending:
+
+- On Linux, each child asks the kernel for a signal when its parent dies
+  (`prctl(PR_SET_PDEATHSIG, SIGKILL)`): this covers SIGKILL of the parent, which no
+  Python code can react to. (The signal fires when the *thread* that started the child
+  ends, so start children from a thread that lives as long as they should: the main one.)
+- `atexit`: a normal interpreter exit stops every child still running (all systems).
+- Elsewhere (macOS), SIGTERM and SIGHUP (a closed terminal, `kill`) stop the children
+  before they end this process as they would have.
+
+Each child starts in a session of its own, so that a Ctrl-C in the notebook does not reach
+it directly and `stop` can signal its whole process group.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+_PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+_children: list[subprocess.Popen] = []
+_lock = threading.Lock()
+_handlers_installed = False
+
+
+def _die_with(parent: int):
+    def preexec() -> None:  # runs in the child, between fork and exec
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != parent:  # the parent died before prctl: nobody would tell us
+            os._exit(1)
+
+    return preexec
+
+
+def spawn(command, *, env=None, stdout=None, stderr=None, cwd=None) -> subprocess.Popen:
+    """Start `command` (a list) as a child that is stopped when this process ends."""
+    _install_handlers()
+    preexec = _die_with(os.getpid()) if sys.platform.startswith("linux") else None
+    process = subprocess.Popen(command, env=env, stdout=stdout, stderr=stderr, cwd=cwd,
+                               start_new_session=True, preexec_fn=preexec)
+    with _lock:
+        _children[:] = [p for p in _children if p.poll() is None]
+        _children.append(process)
+    return process
+
+
+def stop(processes, grace: float = 5.0) -> None:
+    """Stop processes and their groups: SIGTERM, then SIGKILL after `grace` seconds."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        alive = [p for p in processes if p.poll() is None]
+        for p in alive:
+            try:
+                os.killpg(p.pid, sig)
+            except ProcessLookupError:
+                pass
+        end = time.monotonic() + grace
+        while any(p.poll() is None for p in alive) and time.monotonic() < end:
+            time.sleep(0.05)
+
+
+def running_children() -> list[subprocess.Popen]:
+    """The children started with `spawn` that are still running."""
+    with _lock:
+        return [p for p in _children if p.poll() is None]
+
+
+def _stop_all() -> None:
+    stop(running_children(), grace=2.0)
+
+
+def _exit_on_signal(signum, frame) -> None:
+    _stop_all()
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)  # end as the signal would have ended us
+
+
+def _install_handlers() -> None:
+    global _handlers_installed
+    if _handlers_installed:
+        return
+    _handlers_installed = True
+    atexit.register(_stop_all)
+    # On Linux PR_SET_PDEATHSIG already stops the children when a signal ends this process.
+    if sys.platform.startswith("linux") or threading.current_thread() is not threading.main_thread():
+        return
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        if signal.getsignal(signum) in (signal.SIG_DFL, None):  # keep handlers someone else set
+            signal.signal(signum, _exit_on_signal)
