@@ -155,6 +155,13 @@ def nccl_all_reduce(tensors, average: bool = False, devices=None):
 _REDUCERS = {"ring": ring_all_reduce, "nccl": nccl_all_reduce, "central": central_all_reduce}
 
 
+def all_reduce(tensors, method: str = "ring", average: bool = False, devices=None):
+    """One tensor per device in, the sum (or mean) of all of them on every device out."""
+    if method not in _REDUCERS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}.")
+    return _REDUCERS[method](list(tensors), average=average, devices=devices)
+
+
 def allreduce_grads(all_grads, average: bool = True, method: str = "ring", devices=None):
     """All-reduce K towers' gradients (K lists of N) and return K lists of N, as tensorpack does.
 
