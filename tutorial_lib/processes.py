@@ -78,7 +78,7 @@ def _stop_all() -> None:
     stop(running_children(), grace=2.0)
 
 
-def _exit_on_signal(signum, frame) -> None:
+def _exit_on_signal(signum, _frame) -> None:
     _stop_all()
     signal.signal(signum, signal.SIG_DFL)
     os.kill(os.getpid(), signum)  # end as the signal would have ended us
