@@ -1,10 +1,16 @@
+import gc
 import json
 import os
+import signal
 import socket
+import subprocess
+import sys
+import tempfile
 import time
 
 import numpy as np
 import pytest
+from test_processes import all_dead, env_with_root, kill_leftovers  # tests/ is on sys.path
 
 from tutorial_lib import cluster
 
@@ -77,8 +83,12 @@ def test_kill_stops_one_worker_like_a_crash(tmp_path):
 
 def test_bad_input(tmp_path):
     script = _script(tmp_path, "pass\n")
-    with pytest.raises(ValueError, match="workers >= 1"):
+    with pytest.raises(ValueError, match="workers must be a whole number >= 1, got 0"):
         cluster.Cluster(script, 0)
+    with pytest.raises(ValueError, match="workers must be a whole number >= 1, got 2.0"):
+        cluster.Cluster(script, 2.0)
+    with pytest.raises(TypeError, match=r"args must be a list.*write \['--steps', '4'\]"):
+        cluster.Cluster(script, 2, args="--steps 4")
     with pytest.raises(FileNotFoundError, match="no training script"):
         cluster.Cluster(tmp_path / "missing.py", 2)
     with socket.socket() as held:
@@ -87,8 +97,99 @@ def test_bad_input(tmp_path):
         busy = held.getsockname()[1]
         with pytest.raises(cluster.ClusterError, match=f"port.*{busy}.*already in use"):
             cluster.Cluster(script, 2, ports=[busy, cluster.free_ports(1)[0]])
-    with pytest.raises(ValueError, match="2 workers need 2 ports"):
+    with pytest.raises(ValueError, match="2 workers but 1 ports: .* pass one port per worker"):
         cluster.Cluster(script, 2, ports=[1234])
+    port = cluster.free_ports(1)[0]
+    with pytest.raises(ValueError, match="repeat a port: each worker needs a port of its own"):
+        cluster.Cluster(script, 2, ports=[port, port])
+
+
+def test_a_numpy_worker_count_is_accepted(tmp_path):
+    script = _script(tmp_path, "pass\n")
+    with cluster.Cluster(script, np.int64(2)) as c:
+        assert c.workers == 2 and c.wait(timeout=30) == [0, 0]
+
+
+def test_a_stopped_cluster_starts_again(tmp_path):
+    script = _script(tmp_path, "print('run', os.environ['RUN'], flush=True)\n"
+                               "time.sleep(float(os.environ['NAP']))\n")
+    c = cluster.Cluster(script, 2, env={"RUN": "1", "NAP": "60"}).start()
+    with pytest.raises(cluster.ClusterError, match="already running"):
+        c.start()
+    c.stop()
+    assert c.running() == [] and _gone(c)
+    c.env.update(RUN="2", NAP="0")
+    c.start()
+    assert c.wait(timeout=30) == [0, 0]
+    assert [c.log(i).strip() for i in range(2)] == ["run 2", "run 2"]
+    c.start()  # and again after a wait
+    assert c.wait(timeout=30) == [0, 0]
+
+
+def test_logs_stay_readable_after_the_with_block_and_go_with_the_cluster(tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    script = _script(tmp_path, "print('hello', flush=True)\n")
+    with cluster.Cluster(script, 2) as c:
+        c.wait(timeout=30)
+    assert c.tail(1) == "hello"
+    log_dir = c.log_dir
+    del c
+    gc.collect()
+    assert not log_dir.exists()
+    assert list((tmp_path / "tmp").glob("cluster_logs_*")) == []
+    assert list(cluster.log_root().iterdir()) == []
+
+
+def test_a_new_cluster_removes_the_logs_of_a_killed_driver(tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = cluster.log_root() / f"{dead.pid}_abc"
+    mine = cluster.log_root() / f"{os.getpid()}_abc"
+    for folder in (stale, mine):
+        folder.mkdir(parents=True)
+        (folder / "worker0.log").write_text("old")
+    c = cluster.Cluster(_script(tmp_path, "pass\n"), 1)
+    assert not stale.exists() and mine.exists() and c.log_dir.exists()
+    c.log_dir.rmdir()  # a folder that is not there is fine at garbage collection
+    del c
+    gc.collect()
+
+
+DRIVER = """
+import sys, time
+from tutorial_lib import cluster
+c = cluster.Cluster(sys.argv[1], 2).start()
+print(*(p.pid for p in c.processes), flush=True)
+if sys.argv[2] == "returns":
+    sys.exit(0)  # without stop()
+time.sleep(300)  # until the test's signal
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.parametrize("ending", ["returns", signal.SIGTERM, signal.SIGHUP, signal.SIGKILL],
+                         ids=["returns", "SIGTERM", "SIGHUP", "SIGKILL"])
+def test_workers_die_with_their_driver(tmp_path, ending):
+    driver = tmp_path / "driver.py"
+    driver.write_text(DRIVER)
+    worker = _script(tmp_path, "time.sleep(300)\n")
+    how = ending if isinstance(ending, str) else "waits"
+    process = subprocess.Popen([sys.executable, str(driver), str(worker), how], stdout=subprocess.PIPE,
+                               env=env_with_root())
+    pids = [int(pid) for pid in process.stdout.readline().split()]
+    try:
+        assert len(pids) == 2
+        if not isinstance(ending, str):
+            process.send_signal(ending)
+        process.wait()
+        assert all_dead(pids), f"workers {pids} outlived their driver ({ending})"
+    finally:
+        kill_leftovers(pids)
+        process.kill()
+        process.wait()
+        process.stdout.close()
 
 
 def test_multi_worker_training_equals_one_process_and_leaves_nothing_running(tmp_path):
@@ -101,16 +202,9 @@ def test_multi_worker_training_equals_one_process_and_leaves_nothing_running(tmp
     weights = np.load(tmp_path / "weights.npz")
     for i, ref in enumerate(multi_worker.reference_weights(2, 32, 6)):
         np.testing.assert_allclose(weights[f"arr_{i}"], ref, rtol=1e-5, atol=1e-6)
-    steps = [json.loads(line)["step"] for line in open(tmp_path / "steps.jsonl")]
+    steps = [json.loads(line)["step"] for line in (tmp_path / "steps.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3, 4, 5, 6]
     assert not (tmp_path / "checkpoints" / "tmp_worker1").exists()  # the non-chief cleaned up
-
-
-def test_multi_worker_options_are_checked(tmp_path):
-    from tutorial_lib import multi_worker
-
-    with pytest.raises(SystemExit):
-        multi_worker.parse(["--steps", "0", "--out", str(tmp_path)])
 
 
 def test_tail_drops_tensorflow_startup_info_but_keeps_warnings(tmp_path):

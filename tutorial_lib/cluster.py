@@ -3,7 +3,15 @@
 `Cluster(script, n)` picks free ports, starts one process per worker with its own
 `TF_CONFIG`, writes each worker's output to a log file, waits with a timeout and stops
 every process it started: on success, on failure, on timeout, when the notebook cell is
-interrupted, and when the `with` block ends. Nothing is left running.
+interrupted, and when the `with` block ends. The workers are started with
+`processes.spawn`, so they also die when the process that started them ends without
+stopping them (returns, SIGTERM, SIGHUP, even SIGKILL). Nothing is left running.
+
+Logs: unless you pass `log_dir`, each cluster writes its logs to a folder of its own under
+`<tempdir>/tutorial_lib_cluster_logs_<uid>/`, named after the process that owns it. The
+logs stay readable after `wait` and after the `with` block (`tail`, `log`), and the
+folder is removed when the `Cluster` object is garbage collected or the interpreter exits.
+Folders left by a process that was killed are removed by the next `Cluster` created.
 """
 
 from __future__ import annotations
@@ -11,13 +19,17 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import time
+import weakref
 from pathlib import Path
+
+from . import checks, processes
 
 # TensorFlow's C++ INFO lines at start-up ("I0000 00:00:... port.cc:153] oneDNN ..."), printed
 # before its logging is configured, so TF_CPP_MIN_LOG_LEVEL cannot silence them. Warnings
@@ -61,27 +73,68 @@ def tf_config(ports, index: int) -> dict:
     return {"cluster": {"worker": [f"localhost:{p}" for p in ports]}, "task": {"type": "worker", "index": index}}
 
 
+def _checked_ports(ports, workers: int) -> list[int]:
+    """The ports asked for, one per worker, distinct and free."""
+    ports = list(ports)
+    checks.same_length("workers", range(workers), "ports", ports)
+    if len(set(ports)) != len(ports):
+        raise ValueError(f"ports {ports} repeat a port: each worker needs a port of its own.")
+    busy = [p for p in ports if not port_is_free(p)]
+    if busy:
+        raise ClusterError(f"port(s) {busy} already in use on 127.0.0.1: stop what holds them, "
+                           "or leave ports=None to pick free ones.")
+    return ports
+
+
+def log_root() -> Path:
+    """The folder that holds the log folders of the clusters created without `log_dir`."""
+    return Path(tempfile.gettempdir()) / f"tutorial_lib_cluster_logs_{os.getuid()}"
+
+
+def _owner_alive(folder: Path) -> bool:
+    """Whether the process that created a log folder (named '<pid>_...') may still run."""
+    pid = folder.name.split("_")[0]
+    if not pid.isdigit():  # not one of ours: leave it alone
+        return True
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, someone else's
+        pass
+    return True
+
+
+def _new_log_dir() -> Path:
+    """A fresh log folder under `log_root()`, after removing those whose process has died."""
+    root = log_root()
+    root.mkdir(parents=True, exist_ok=True)
+    for folder in root.iterdir():
+        if not _owner_alive(folder):
+            shutil.rmtree(folder, ignore_errors=True)
+    return Path(tempfile.mkdtemp(prefix=f"{os.getpid()}_", dir=root))
+
+
 class Cluster:
     """Start `script` (a .py file, or ['-m', 'module']) once per worker; stop them all on exit."""
 
     def __init__(self, script, workers: int, args=(), ports=None, env=None, log_dir=None):
-        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
-            raise ValueError(f"a cluster needs a whole number of workers >= 1, got {workers!r}.")
+        workers = checks.whole_number(workers, "workers")
         command = list(script) if isinstance(script, (list, tuple)) else [str(script)]
         if command[0] != "-m" and not Path(command[0]).is_file():
             raise FileNotFoundError(f"no training script at {command[0]!r}; give the path of a .py file.")
-        if ports is not None:
-            if len(ports) != workers:
-                raise ValueError(f"{workers} workers need {workers} ports, got {len(ports)}.")
-            busy = [p for p in ports if not port_is_free(p)]
-            if busy:
-                raise ClusterError(f"port(s) {busy} already in use on 127.0.0.1: stop what holds them, "
-                                   "or leave ports=None to pick free ones.")
+        if isinstance(args, str):
+            raise TypeError(f"args must be a list of arguments, got the string {args!r}; write {args.split()!r}.")
         self.command = [sys.executable, *command, *map(str, args)]
-        self.workers, self.ports = workers, list(ports) if ports else free_ports(workers)
+        self.workers = workers
+        self.ports = free_ports(workers) if ports is None else _checked_ports(ports, workers)
         self.env = {**os.environ, **(env or {})}
-        self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="cluster_logs_"))
-        self.log_dir.mkdir(parents=True, exist_ok=True)
+        if log_dir is None:  # ours: removed with this object (see the module's docstring)
+            self.log_dir = _new_log_dir()
+            weakref.finalize(self, shutil.rmtree, self.log_dir, ignore_errors=True)
+        else:  # the caller's: kept
+            self.log_dir = Path(log_dir)
+            self.log_dir.mkdir(parents=True, exist_ok=True)
         self.processes: list[subprocess.Popen] = []
 
     def __enter__(self):
@@ -103,13 +156,14 @@ class Cluster:
         return "\n".join(kept[-lines:])
 
     def start(self):
-        if self.processes:
+        """Start every worker (again, after `stop` or `wait`: the logs then start afresh)."""
+        if self.running():
             raise ClusterError("this cluster is already running; stop() it before starting again.")
+        self.processes = []
         for index in range(self.workers):
             env = {**self.env, "TF_CONFIG": json.dumps(tf_config(self.ports, index))}
             with open(self.log_path(index), "w") as log:
-                self.processes.append(subprocess.Popen(
-                    self.command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+                self.processes.append(processes.spawn(self.command, env=env, stdout=log, stderr=subprocess.STDOUT))
         return self
 
     def wait(self, timeout: float = 120.0, check: bool = True) -> list[int]:
@@ -149,16 +203,7 @@ class Cluster:
 
     def stop(self) -> None:
         """Stop every worker still running: SIGTERM, then SIGKILL after 5 s. Safe to call twice."""
-        for sig, grace in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
-            alive = [p for p in self.processes if p.poll() is None]
-            for p in alive:
-                try:
-                    os.killpg(p.pid, sig)
-                except ProcessLookupError:
-                    pass
-            end = time.monotonic() + grace
-            while any(p.poll() is None for p in alive) and time.monotonic() < end:
-                time.sleep(0.05)
+        processes.stop(self.processes, grace=5.0)
 
     def running(self) -> list[int]:
         """Indices of the workers still running."""

@@ -57,12 +57,37 @@ def reference_weights(workers: int, batch: int, steps: int, seed: int = 0):
     return [v.numpy() for v in model.trainable_variables]
 
 
-def _checkpoint_dir(base: str, strategy) -> str:
+def is_chief(resolver) -> bool:
+    """The chief writes the step log, the weights and the real checkpoints: the "chief" task if
+    the cluster has one, else worker 0, and a job started without `TF_CONFIG` (one worker)."""
+    if resolver.task_type is None or resolver.task_type == "chief":
+        return True
+    return resolver.task_type == "worker" and resolver.task_id == 0 and "chief" not in resolver.cluster_spec().jobs
+
+
+def checkpoint_dir(base: str, resolver) -> str:
     """Chief: the real directory. Others: a temporary one of their own (deleted after saving)."""
-    resolver = strategy.cluster_resolver
-    if resolver.task_type in (None, "chief") or (resolver.task_type == "worker" and resolver.task_id == 0):
-        return base
-    return os.path.join(base, f"tmp_worker{resolver.task_id}")
+    return base if is_chief(resolver) else os.path.join(base, f"tmp_worker{resolver.task_id}")
+
+
+def _check_crash_worker(args, workers: int) -> None:
+    if args.crash_at is not None and args.crash_worker >= workers:
+        raise SystemExit(f"error: --crash-worker {args.crash_worker} is not a worker of this {workers}-worker job; "
+                         f"give a worker index from 0 to {workers - 1}.")
+
+
+def _crash_drill(strategy, me: int, crash_worker: int, k: int) -> None:
+    """Once every worker has finished step k (and the chief has logged it), one worker dies."""
+    import tensorflow as tf
+
+    @tf.function
+    def barrier():
+        return strategy.reduce(tf.distribute.ReduceOp.SUM, strategy.run(lambda: tf.constant(1.0)), axis=None)
+
+    barrier()
+    if crash_worker == me:
+        print(f"worker {me}: crashing after step {k}", flush=True)
+        os._exit(3)  # abrupt, like a lost machine: no cleanup, no checkpoint
 
 
 def train(args) -> int:
@@ -76,9 +101,9 @@ def train(args) -> int:
     tf.config.threading.set_intra_op_parallelism_threads(1)
     options = tf.distribute.experimental.CommunicationOptions(timeout_seconds=args.collective_timeout)
     strategy = tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
-    resolver = strategy.cluster_resolver
-    workers, me = strategy.num_replicas_in_sync, resolver.task_id
-    is_chief = me == 0
+    resolver = strategy.cluster_resolver  # without TF_CONFIG: a one-worker job, task None
+    workers, me, chief = strategy.num_replicas_in_sync, resolver.task_id or 0, is_chief(resolver)
+    _check_crash_worker(args, workers)
     global_batch = args.batch * workers
 
     with strategy.scope():
@@ -86,7 +111,7 @@ def train(args) -> int:
         optimizer = tf.keras.optimizers.SGD(LEARNING_RATE)
         step = tf.Variable(0, dtype=tf.int64, trainable=False)
     checkpoint = tf.train.Checkpoint(model=model, step=step)
-    target = _checkpoint_dir(args.checkpoint_dir, strategy)
+    target = checkpoint_dir(args.checkpoint_dir, resolver)
     manager = tf.train.CheckpointManager(checkpoint, target, max_to_keep=2)
     # Every worker restores the chief's checkpoint: the only complete one.
     latest = tf.train.latest_checkpoint(args.checkpoint_dir)
@@ -95,6 +120,10 @@ def train(args) -> int:
     start = int(step.numpy())
     print(f"worker {me}/{workers}: {'resumed from checkpoint at step ' + str(start) if latest else 'fresh start'}",
           flush=True)
+    if start >= args.steps:
+        print(f"worker {me}: the job is complete (checkpoint at step {start}, --steps {args.steps}); "
+              "nothing to do", flush=True)
+        return 0
 
     def dataset_fn(context):
         ds = shard_dataset(context.input_pipeline_id, context.num_input_pipelines, args.batch, args.seed)
@@ -104,28 +133,21 @@ def train(args) -> int:
 
     train_step = allreduce.mirrored_train_step(strategy, model, optimizer, global_batch)  # notebook 03's step
 
-    @tf.function
-    def barrier():
-        return strategy.reduce(tf.distribute.ReduceOp.SUM, strategy.run(lambda: tf.constant(1.0)), axis=None)
-
-    log = open(os.path.join(args.out, "steps.jsonl"), "a") if is_chief else None
-    for k in range(start + 1, args.steps + 1):
-        x, y = next(batches)
-        loss = float(train_step(x, y))
-        step.assign(k)
-        if log:
+    # Only the chief keeps a step log; the others write theirs to nowhere.
+    with open(os.path.join(args.out, "steps.jsonl") if chief else os.devnull, "a") as log:
+        for k in range(start + 1, args.steps + 1):
+            x, y = next(batches)
+            loss = float(train_step(x, y))
+            step.assign(k)
             log.write(json.dumps({"step": k, "loss": round(loss, 6)}) + "\n")
             log.flush()
-        if args.crash_at == k:
-            barrier()  # every worker has finished (and the chief has logged) step k
-            if args.crash_worker == me:
-                print(f"worker {me}: crashing after step {k}", flush=True)
-                os._exit(3)  # abrupt, like a lost machine: no cleanup, no checkpoint
-        if k % args.checkpoint_every == 0 or k == args.steps:
-            manager.save(checkpoint_number=k)  # every worker saves: the save is collective
-            if not is_chief:
-                shutil.rmtree(target, ignore_errors=True)
-    if is_chief:
+            if args.crash_at == k:
+                _crash_drill(strategy, me, args.crash_worker, k)
+            if k % args.checkpoint_every == 0 or k == args.steps:
+                manager.save(checkpoint_number=k)  # every worker saves: the save is collective
+                if not chief:
+                    shutil.rmtree(target, ignore_errors=True)
+    if chief:
         np.savez(os.path.join(args.out, "weights.npz"), *[v.numpy() for v in model.trainable_variables])
         print(f"worker {me}: done at step {args.steps}, loss {loss:.4f}", flush=True)
     return 0
@@ -140,12 +162,14 @@ def parse(argv=None):
     parser.add_argument("--checkpoint-dir", default=None, help="default: OUT/checkpoints")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--crash-at", type=int, default=None, help="step after which --crash-worker dies")
-    parser.add_argument("--crash-worker", type=int, default=1)
+    parser.add_argument("--crash-worker", type=int, default=1, help="index of the worker that dies at --crash-at")
     parser.add_argument("--collective-timeout", type=float, default=15.0,
                         help="seconds a worker waits for a dead peer before failing")
     args = parser.parse_args(argv)
     if args.steps < 1 or args.batch < 1 or args.checkpoint_every < 1:
         parser.error("--steps, --batch and --checkpoint-every must be >= 1")
+    if args.crash_worker < 0:
+        parser.error(f"--crash-worker must be a worker index >= 0 (0 is the chief), got {args.crash_worker}")
     args.checkpoint_dir = args.checkpoint_dir or os.path.join(args.out, "checkpoints")
     os.makedirs(args.out, exist_ok=True)
     return args

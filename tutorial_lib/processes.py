@@ -34,8 +34,12 @@ _handlers_installed = False
 
 
 def _die_with(parent: int):
+    # Looked up here, in the parent: the child of a multi-threaded process (TensorFlow) must
+    # not load libraries between fork and exec, where a lock another thread held stays held.
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+
     def preexec() -> None:  # runs in the child, between fork and exec
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
         if os.getppid() != parent:  # the parent died before prctl: nobody would tell us
             os._exit(1)
 
@@ -56,6 +60,7 @@ def spawn(command, *, env=None, stdout=None, stderr=None, cwd=None) -> subproces
 
 def stop(processes, grace: float = 5.0) -> None:
     """Stop processes and their groups: SIGTERM, then SIGKILL after `grace` seconds."""
+    processes = list(processes)  # read twice, once per signal: a generator would be empty the second time
     for sig in (signal.SIGTERM, signal.SIGKILL):
         alive = [p for p in processes if p.poll() is None]
         for p in alive:
