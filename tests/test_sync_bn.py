@@ -7,7 +7,7 @@ from tutorial_lib import allreduce, sync_bn
 
 def _spread(devs, arrays):
     out = []
-    for d, a in zip(devs, arrays):
+    for d, a in zip(devs[: len(arrays)], arrays, strict=True):  # the first len(arrays) devices
         with tf.device(d):
             out.append(tf.constant(a))
     return out
@@ -56,7 +56,8 @@ def test_sync_bn_towers_equal_plain_bn_on_the_global_batch(devs):
         ref = _plain_bn(whole, bn.gamma, bn.beta, bn.epsilon)
         ref_loss = tf.reduce_sum(ref * target)
     np.testing.assert_allclose(tf.concat(outs, 0), ref, rtol=1e-4, atol=1e-5)
-    for g, r in zip(tape.gradient(loss, [bn.gamma, bn.beta]), ref_tape.gradient(ref_loss, [bn.gamma, bn.beta])):
+    for g, r in zip(tape.gradient(loss, [bn.gamma, bn.beta]), ref_tape.gradient(ref_loss, [bn.gamma, bn.beta]),
+                    strict=True):
         np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(tf.concat(tape.gradient(loss, xs), 0), ref_tape.gradient(ref_loss, whole),
                                rtol=1e-4, atol=1e-5)
@@ -71,7 +72,7 @@ def test_per_device_bn_differs_and_inference_uses_moving_statistics(devs):
     xs = _spread(devs, [rng.normal(size=(2, 3)).astype(np.float32) + i for i in range(len(devs))])
     local = sync_bn.SyncBatchNorm(3, synchronized=False)
     outs = local.towers(xs, devs, training=True)
-    for x, out in zip(xs, outs):  # each device normalized with its own statistics
+    for x, out in zip(xs, outs, strict=True):  # each device normalized with its own statistics
         np.testing.assert_allclose(out, _plain_bn(x, local.gamma, local.beta, local.epsilon), rtol=1e-4, atol=1e-5)
     frozen = local.towers(xs, devs, training=False)
     expected = (xs[0] - local.moving_mean) / tf.sqrt(local.moving_variance + local.epsilon)
@@ -110,11 +111,171 @@ def test_sync_bn_under_mirrored_strategy_matches_keras_synchronized_bn(devs):
 def test_bad_input(devs):
     with pytest.raises(ValueError, match="same number of features"):
         sync_bn.global_moments(_spread(devs[:2], [np.zeros((2, 3), np.float32), np.zeros((2, 4), np.float32)]))
-    with pytest.raises(ValueError, match="device 1 has an empty batch"):
-        sync_bn.global_moments(_spread(devs[:2], [np.zeros((2, 3), np.float32), np.zeros((0, 3), np.float32)]))
+    with pytest.raises(ValueError, match="every device's batch is empty"):
+        sync_bn.global_moments(_spread(devs[:2], [np.zeros((0, 3), np.float32)] * 2))
     with pytest.raises(ValueError, match="axis 5 does not exist"):
         sync_bn.global_moments(_spread(devs[:1], [np.zeros((2, 3), np.float32)]), axis=5)
     with pytest.raises(ValueError, match="one tensor per device"):
         sync_bn.global_moments([])
     with pytest.raises(ValueError, match="2 tensors but 1 devices"):
         sync_bn.SyncBatchNorm(3).towers(_spread(devs[:2], [np.zeros((2, 3), np.float32)] * 2), devs[:1], True)
+
+
+def test_global_moments_refuse_devices_that_do_not_pair_up_with_the_tensors(devs):
+    xs = _spread(devs, [np.full((2, 3), i, np.float32) for i in range(len(devs))])
+    with pytest.raises(ValueError, match="4 tensors but 2 devices"):
+        sync_bn.global_moments(xs, devices=devs[:2])  # used to return the statistics of xs[:2]
+    with pytest.raises(TypeError, match="list of device names"):
+        sync_bn.global_moments(xs[:1], devices=devs[0])
+
+
+def test_global_moments_are_one_all_reduce(devs, monkeypatch):
+    calls = []
+    real = allreduce.all_reduce
+
+    def counting(tensors, **kwargs):
+        calls.append(len(tensors))
+        return real(tensors, **kwargs)
+
+    monkeypatch.setattr(allreduce, "all_reduce", counting)
+    sync_bn.global_moments(_spread(devs, [np.ones((2, 3), np.float32)] * len(devs)), method="central")
+    assert calls == [len(devs)]
+
+
+def _exact_moments(arrays):
+    """Reference mean and variance: two passes in extended precision over the whole batch."""
+    whole = np.concatenate(arrays).reshape(-1, arrays[0].shape[-1]).astype(np.longdouble)
+    mean = whole.mean(0)
+    return mean, ((whole - mean) ** 2).mean(0)
+
+
+@pytest.mark.parametrize("mean, std", [(1e4, 1e-2), (1e6, 1.0)])
+def test_global_variance_stays_exact_when_the_mean_dwarfs_the_spread(devs, mean, std):
+    rng = np.random.default_rng(4)
+    arrays = [mean + std * rng.normal(size=(count, 3)) for count in (3, 8, 1, 5)]  # float64, unequal counts
+    _, exact = _exact_moments(arrays)
+    for _, variance in sync_bn.global_moments(_spread(devs, arrays)):
+        assert variance.dtype == tf.float64
+        relative = np.abs(variance.numpy() - exact) / exact
+        assert np.max(relative) <= 1e-9, relative  # E[x^2] - E[x]^2 in float64 is off by ~1e-4 here
+
+
+def _strategy_call(strategy, layer, shards, training=True):
+    """Run `layer` on one shard per replica; returns the concatenated outputs."""
+    dist_x = strategy.experimental_distribute_values_from_function(
+        lambda ctx: tf.constant(shards[ctx.replica_id_in_sync_group]))
+
+    @tf.function
+    def run(xd):
+        return strategy.run(lambda xr: layer(xr, training=training), args=(xd,))
+
+    return tf.concat(strategy.experimental_local_results(run(dist_x)), 0)
+
+
+def test_sync_bn_under_mirrored_strategy_is_exact_for_a_large_mean_in_float64(devs):
+    strategy = allreduce.mirrored_strategy(devs)
+    rng = np.random.default_rng(5)
+    shards = [1e4 + 1e-2 * rng.normal(size=(count, 3)) for count in (3, 8, 1, 5)]
+    with strategy.scope():
+        bn = sync_bn.SyncBatchNorm(3, epsilon=1e-12)
+    out = _strategy_call(strategy, bn, shards)
+    mean, variance = _exact_moments(shards)
+    expected = (np.concatenate(shards).astype(np.longdouble) - mean) / np.sqrt(variance + np.longdouble(1e-12))
+    assert out.dtype == tf.float64
+    np.testing.assert_allclose(out.numpy(), expected.astype(np.float64), rtol=0, atol=1e-8)
+
+
+def test_an_empty_replica_shard_contributes_nothing_under_mirrored_strategy(devs):
+    # the last partial batch of an epoch: 3 examples over 4 replicas leaves one replica with none
+    strategy = allreduce.mirrored_strategy(devs)
+    rng = np.random.default_rng(6)
+    x, target = rng.normal(2.0, 3.0, size=(2, 3, 5)).astype(np.float32)
+    cuts = [(0, 1), (1, 2), (2, 3), (3, 3)]
+    with strategy.scope():
+        bn = sync_bn.SyncBatchNorm(5, momentum=0.9)
+
+    def shards(a):
+        return strategy.experimental_distribute_values_from_function(
+            lambda ctx: tf.constant(a[slice(*cuts[ctx.replica_id_in_sync_group])]))
+
+    @tf.function
+    def step(xd, td):
+        def replica(xr, tr):
+            with tf.GradientTape() as tape:
+                tape.watch(xr)
+                out = bn(xr, training=True)
+                loss = tf.reduce_sum(out * out * tr)
+            return out, tape.gradient(loss, xr)
+        return strategy.run(replica, args=(xd, td))
+
+    out, grad = (tf.concat(strategy.experimental_local_results(t), 0) for t in step(shards(x), shards(target)))
+    whole = tf.constant(x)
+    with tf.GradientTape() as tape:
+        tape.watch(whole)
+        ref = _plain_bn(whole, bn.gamma, bn.beta, bn.epsilon)
+        ref_loss = tf.reduce_sum(ref * ref * target)
+    np.testing.assert_allclose(out, ref, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(grad, tape.gradient(ref_loss, whole), rtol=1e-4, atol=1e-5)
+    mean, variance = x.astype(np.float64).mean(0), x.astype(np.float64).var(0)
+    np.testing.assert_allclose(bn.moving_mean.numpy(), 0.1 * mean, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(bn.moving_variance.numpy(), 0.9 + 0.1 * variance, rtol=1e-5)
+
+
+def test_an_empty_tower_contributes_nothing_and_an_empty_global_batch_is_refused(devs):
+    rng = np.random.default_rng(7)
+    arrays = [rng.normal(1.0, 2.0, size=(count, 4)).astype(np.float32) for count in (3, 0, 2, 4)]
+    whole = tf.constant(np.concatenate(arrays))
+    mean, variance = tf.nn.moments(whole, [0])
+    synced = sync_bn.SyncBatchNorm(4)
+    outs = synced.towers(_spread(devs, arrays), devs, training=True)
+    assert [int(o.shape[0]) for o in outs] == [3, 0, 2, 4]
+    np.testing.assert_allclose(tf.concat(outs, 0), _plain_bn(whole, synced.gamma, synced.beta, synced.epsilon),
+                               rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(synced.moving_mean, 0.1 * mean, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(synced.moving_variance, 0.9 + 0.1 * variance, rtol=1e-5)
+    # per-device BN: each non-empty tower on its own; moving statistics weighted by the counts
+    local = sync_bn.SyncBatchNorm(4, synchronized=False)
+    outs = local.towers(_spread(devs, arrays), devs, training=True)
+    for a, out in zip(arrays, outs, strict=True):
+        assert out.shape == a.shape
+        if len(a):
+            np.testing.assert_allclose(out, _plain_bn(tf.constant(a), local.gamma, local.beta, local.epsilon),
+                                       rtol=1e-4, atol=1e-5)
+    within = sum(len(a) * a.var(0, dtype=np.float64) for a in arrays if len(a)) / len(whole)
+    np.testing.assert_allclose(local.moving_mean, 0.1 * mean, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(local.moving_variance, 0.9 + 0.1 * within, rtol=1e-5)
+    with pytest.raises(ValueError, match="every device's batch is empty"):
+        synced.towers(_spread(devs[:2], [np.zeros((0, 4), np.float32)] * 2), devs[:2], training=True)
+
+
+@pytest.mark.parametrize("dtype, rtol, atol", [(np.float16, 1e-2, 1e-2), (np.float64, 1e-12, 1e-12)])
+def test_sync_bn_normalizes_float16_and_float64_and_returns_the_input_dtype(devs, dtype, rtol, atol):
+    rng = np.random.default_rng(8)
+    arrays = [rng.normal(3.0, 2.0, size=(3, 4)).astype(dtype) for _ in devs]
+    mean, variance = _exact_moments(arrays)
+    bn = sync_bn.SyncBatchNorm(4, epsilon=1e-3)
+    bn.gamma.assign([1.0, 2.0, 0.5, -1.0])
+    bn.beta.assign([0.0, 1.0, -1.0, 0.25])
+    gamma, beta = bn.gamma.numpy().astype(np.float64), bn.beta.numpy().astype(np.float64)
+    expected = (np.concatenate(arrays).astype(np.float64) - np.float64(mean)) / np.sqrt(np.float64(variance) + 1e-3)
+    expected = expected * gamma + beta
+    outs = bn.towers(_spread(devs, arrays), devs, training=True)
+    assert {o.dtype for o in outs} == {tf.as_dtype(dtype)}
+    np.testing.assert_allclose(tf.concat(outs, 0).numpy().astype(np.float64), expected, rtol=rtol, atol=atol)
+    single = bn(tf.constant(np.concatenate(arrays)), training=True)  # one device: plain BN
+    assert single.dtype == tf.as_dtype(dtype)
+    np.testing.assert_allclose(single.numpy().astype(np.float64), expected, rtol=rtol, atol=atol)
+    frozen = bn(tf.constant(arrays[0]), training=False)
+    assert frozen.dtype == tf.as_dtype(dtype) and np.isfinite(frozen.numpy()).all()
+
+
+def test_sync_bn_refuses_the_wrong_number_of_features_and_non_float_input(devs):
+    bn = sync_bn.SyncBatchNorm(3)
+    with pytest.raises(ValueError, match=r"built for 3 features.*last axis has 4.*SyncBatchNorm\(4\)"):
+        bn(tf.zeros((2, 4)), training=True)
+    with pytest.raises(ValueError, match=r"built for 3 features.*last axis has 5"):
+        bn.towers(_spread(devs[:2], [np.zeros((2, 5), np.float32)] * 2), devs[:2], training=False)
+    with pytest.raises(TypeError, match=r"floating-point.*int32.*tf.cast"):
+        bn(tf.zeros((2, 3), tf.int32), training=True)
+    with pytest.raises(ValueError, match="num_features must be a whole number"):
+        sync_bn.SyncBatchNorm(0)

@@ -1,20 +1,34 @@
 """Synchronized batch norm: normalize with the statistics of the global batch.
 
 With N devices and a small per-device batch, each device's batch mean and variance are
-noisy estimates. Sync BN all-reduces, per feature, the count, the sum and the sum of
-squares of every device's batch (one all-reduce of 2C+1 numbers), so that every device
-normalizes with the mean and variance of the whole global batch.
+noisy estimates. Sync BN gives every device the mean and variance of the whole global
+batch, with one all-reduce per layer.
 
-The sum of squares is accumulated around each device's own mean and combined in float64:
-the textbook E[x^2] - E[x]^2 in float32 loses every digit when the mean is large next to
-the spread (try a mean of 1e4 and a standard deviation of 1).
+What is all-reduced. Each device i describes its batch, per feature, by its count n_i, its
+mean m_i and its centred sum of squares M2_i = sum (x - m_i)^2, in float64 (an empty batch:
+all zeros). The exact way to merge them is the parallel-variance formula of Chan, Golub
+and LeVeque:
+
+    n = sum n_i,   mean = sum n_i m_i / n,   M2 = sum M2_i + sum n_i (m_i - mean)^2.
+
+Its last term needs the global mean, which no device knows before communicating. Summing
+(n_i, n_i m_i, M2_i + n_i m_i^2) in one all-reduce and subtracting n mean^2 afterwards is
+E[x^2] - E[x]^2 again: its relative error grows like 1e-16 (mean/std)^2, 1e-4 at a mean of
+1e4 and a spread of 1e-2, even in float64. A shift known to every device beforehand (the
+moving mean) helps only once the moving mean is close, not in the first steps. So each
+device writes its row (n_i, m_i, M2_i) into its own slot of an N x (2C+1) matrix of zeros
+and the matrix is all-reduced: adding zeros is exact, so this one all-reduce is an
+all-gather, every device receives every row bit for bit, and combines them with the formula
+above (relative error about 1e-16 mean/std). It moves N times more numbers than a sum of
+2C+1 would; next to the gradients they are still few, and PyTorch's SyncBatchNorm gathers
+the per-device (mean, inverse std, count) in the same way.
 """
 
 from __future__ import annotations
 
 import tensorflow as tf
 
-from . import allreduce
+from . import allreduce, checks
 from .devices import normalize
 
 
@@ -28,62 +42,93 @@ def _axes(x, axis: int):
     return [a for a in range(rank) if a != feature]
 
 
-def local_sums(x, axis: int = -1):
-    """(count, sum, centred sum of squares + count * mean^2) of one device's batch, in float64."""
+def _check_floating(x) -> None:
+    if not x.dtype.is_floating:
+        raise TypeError(f"batch norm normalizes floating-point tensors, got {x.dtype.name}; "
+                        "convert the input first, e.g. tf.cast(x, tf.float32).")
+
+
+def local_moments(x, axis: int = -1):
+    """[count, mean (C), centred sum of squares (C)] of one device's batch, in float64.
+
+    An empty batch gives zeros: it contributes nothing to the global statistics.
+    """
     axes = _axes(x, axis)
     x64 = tf.cast(x, tf.float64)
     count = tf.cast(tf.reduce_prod([tf.shape(x)[a] for a in axes]), tf.float64)
-    mean = tf.reduce_mean(x64, axes)
-    centred = tf.reduce_sum(tf.square(x64 - tf.reshape(mean, _broadcast_shape(x, axis))), axes)
-    return tf.concat([[count], count * mean, centred + count * tf.square(mean)], 0)
+    mean = tf.math.divide_no_nan(tf.reduce_sum(x64, axes), count)  # 0, not NaN, for an empty batch
+    shape = [-1 if a == axis % x.shape.rank else 1 for a in range(x.shape.rank)]
+    centred = tf.reduce_sum(tf.square(x64 - tf.reshape(mean, shape)), axes)
+    return tf.concat([[count], mean, centred], 0)
 
 
-def _broadcast_shape(x, axis):
-    shape = [1] * x.shape.rank
-    shape[axis % x.shape.rank] = -1
-    return shape
+def _in_slot(row, index, n: int):
+    """`row` as row `index` of an n-row matrix of zeros: summing n of these gathers the rows."""
+    return tf.pad(row[None], [[index, n - 1 - index], [0, 0]])
 
 
-def moments_from_sums(sums, num_features: int):
-    """Global mean and (biased) variance from the all-reduced sums."""
-    count, total, squares = sums[0], sums[1 : 1 + num_features], sums[1 + num_features :]
-    mean = total / count
-    # squares = sum over devices of (centred_i + n_i mean_i^2); subtracting count * mean^2 in
-    # float64 keeps the result exact to about 1e-16 of mean^2, far below float32's precision.
-    variance = tf.maximum(squares / count - tf.square(mean), 0.0)
-    return mean, variance
+def combine_moments(rows):
+    """(count, mean, variance) of the union of the batches that `rows` describe, in float64.
+
+    `rows` holds one `local_moments` row per device; Chan et al.'s formula merges them exactly.
+    """
+    features = (rows.shape[-1] - 1) // 2
+    counts, means, centred = rows[:, :1], rows[:, 1 : 1 + features], rows[:, 1 + features :]
+    count = tf.reduce_sum(counts)
+    mean = tf.math.divide_no_nan(tf.reduce_sum(counts * means, 0), count)
+    m2 = tf.reduce_sum(centred, 0) + tf.reduce_sum(counts * tf.square(means - mean), 0)
+    return count, mean, tf.math.divide_no_nan(m2, count)
+
+
+def _check_batches(xs, axis: int) -> None:
+    """One feature count, floating dtypes, and at least one example in the global batch."""
+    if not xs:
+        raise ValueError("global_moments needs one tensor per device, got none.")
+    for x in xs:
+        _axes(x, axis)  # a clear error for an axis that does not exist
+        _check_floating(x)
+    features = {x.shape[axis % x.shape.rank] for x in xs}
+    if len(features) != 1:
+        raise ValueError(f"every device needs the same number of features on axis {axis}, got {sorted(features)}.")
+    if all(x.shape.num_elements() == 0 for x in xs):
+        raise ValueError("every device's batch is empty: there is nothing to normalize. Give at least one "
+                         "device an example (an empty device batch is fine as long as another has some).")
+
+
+def _global_statistics(xs, places, axis: int, method: str):
+    """Per device, (count, mean, variance) of the global batch in float64: one all-reduce."""
+    slots = []
+    for i, (x, device) in enumerate(zip(xs, places, strict=True)):
+        with tf.device(device):
+            slots.append(_in_slot(local_moments(x, axis), i, len(xs)))
+    gathered = allreduce.all_reduce(slots, method=method, devices=places)
+    out = []
+    for rows, device in zip(gathered, places, strict=True):
+        with tf.device(device):
+            out.append(combine_moments(rows))
+    return out
+
+
+def _places(xs, devices) -> list[str]:
+    if devices is None:
+        return [x.device for x in xs]
+    devices = checks.device_list(devices)
+    checks.same_length("tensors", xs, "devices", devices)
+    return [normalize(d) for d in devices]
 
 
 def global_moments(xs, axis: int = -1, devices=None, method: str = "ring"):
     """Mean and variance of the concatenation of `xs` (one tensor per device), on every device.
 
-    One all-reduce of the per-device sums; returns one (mean, variance) pair per device,
-    in the dtype of the inputs.
+    One all-reduce (see the module docstring); returns one (mean, variance) pair per device,
+    in the dtype of that device's input. A device may hold an empty batch (it contributes
+    nothing); the global batch may not be empty.
     """
-    if not xs:
-        raise ValueError("global_moments needs one tensor per device, got none.")
-    for x in xs:
-        _axes(x, axis)  # a clear error for an axis that does not exist
-    features = {x.shape[axis % x.shape.rank] for x in xs}
-    if len(features) != 1:
-        raise ValueError(f"every device needs the same number of features on axis {axis}, got {sorted(features)}.")
-    for i, x in enumerate(xs):
-        if x.shape[0] == 0:
-            raise ValueError(f"device {i} has an empty batch: there is nothing to normalize. "
-                             "Drop the remainder (batch(..., drop_remainder=True)) or skip that device.")
-    num_features = features.pop()
-    places = [normalize(d) for d in devices] if devices else [x.device for x in xs]
-    sums = []
-    for x, device in zip(xs, places):
-        with tf.device(device):
-            sums.append(local_sums(x, axis))
-    reduced = allreduce.allreduce_grads([[s] for s in sums], average=False, method=method, devices=places)
-    out = []
-    for (total,), x, device in zip(reduced, xs, places):
-        with tf.device(device):
-            mean, variance = moments_from_sums(total, num_features)
-            out.append((tf.cast(mean, x.dtype), tf.cast(variance, x.dtype)))
-    return out
+    _check_batches(xs, axis)
+    places = _places(xs, devices)
+    stats = _global_statistics(xs, places, axis, method)
+    return [(tf.cast(mean, x.dtype), tf.cast(variance, x.dtype))
+            for x, (_, mean, variance) in zip(xs, stats, strict=True)]
 
 
 class SyncBatchNorm(tf.Module):
@@ -94,14 +139,16 @@ class SyncBatchNorm(tf.Module):
       all-reduced through the replica context) or on a single device.
     With `synchronized=False` each device uses its own batch's statistics (plain BN per
     device), for comparison. In training the moving statistics are updated once per step
-    with the global statistics, so they are the same on every device.
+    with the global statistics, so they are the same on every device. Any floating input
+    dtype works: statistics in float64, normalization in float32 (float64 for float64
+    input), output in the input's dtype. A device with an empty batch contributes nothing.
     """
 
     def __init__(self, num_features: int, momentum: float = 0.9, epsilon: float = 1e-3,
                  synchronized: bool = True, name=None):
         super().__init__(name=name)
         self.momentum, self.epsilon, self.synchronized = momentum, epsilon, synchronized
-        self.num_features = num_features
+        self.num_features = checks.whole_number(num_features, "num_features")
         with self.name_scope:
             self.gamma = tf.Variable(tf.ones([num_features]), name="gamma")
             self.beta = tf.Variable(tf.zeros([num_features]), name="beta")
@@ -114,52 +161,72 @@ class SyncBatchNorm(tf.Module):
     def trainable_variables(self):
         return (self.gamma, self.beta)
 
-    def _normalize(self, x, mean, variance):
-        return tf.nn.batch_normalization(x, mean, variance, self.beta, self.gamma, self.epsilon)
+    def _check_input(self, x) -> None:
+        _check_floating(x)
+        features = x.shape[-1] if x.shape.rank else None
+        if features is not None and features != self.num_features:
+            raise ValueError(f"this SyncBatchNorm was built for {self.num_features} features, but the input's "
+                             f"last axis has {features} (shape {x.shape}); build it with "
+                             f"SyncBatchNorm({features}) or feed tensors with {self.num_features} features.")
 
-    def _update_moving(self, mean, variance) -> None:
-        m = self.momentum
-        self.moving_mean.assign(m * self.moving_mean + (1 - m) * mean)
-        self.moving_variance.assign(m * self.moving_variance + (1 - m) * variance)
+    def _normalize(self, x, mean, variance):
+        """Normalize in float32 (float64 for float64 input) and return the input's dtype."""
+        compute = tf.float64 if x.dtype == tf.float64 else tf.float32
+        y = tf.nn.batch_normalization(*(tf.cast(t, compute) for t in (x, mean, variance, self.beta, self.gamma)),
+                                      self.epsilon)
+        return tf.cast(y, x.dtype)
+
+    def _update_moving(self, count, mean, variance) -> None:
+        # A batch without examples carries no statistics: it leaves the moving ones as they are.
+        for moving, batch in ((self.moving_mean, mean), (self.moving_variance, variance)):
+            batch = tf.where(count > 0, tf.cast(batch, moving.dtype), moving)
+            moving.assign(self.momentum * moving + (1 - self.momentum) * batch)
 
     def towers(self, xs, devices, training: bool):
         """Normalize a list of per-device tensors; training uses the batch statistics."""
-        devices = [normalize(d) for d in devices]
-        if len(devices) != len(xs):
-            raise ValueError(f"{len(xs)} tensors but {len(devices)} devices.")
+        devices = [normalize(d) for d in checks.device_list(devices)]
+        checks.same_length("tensors", xs, "devices", devices)
+        for x in xs:
+            self._check_input(x)
         if not training:
-            out = []
-            for x, device in zip(xs, devices):
-                with tf.device(device):
-                    out.append(self._normalize(x, self.moving_mean, self.moving_variance))
-            return out
+            return self._per_device(xs, devices, [(self.moving_mean, self.moving_variance)] * len(xs))
+        _check_batches(xs, -1)
         if self.synchronized:
-            stats = global_moments(xs, devices=devices)
+            stats = _global_statistics(xs, devices, -1, "ring")
         else:
             stats = []
-            for x, device in zip(xs, devices):
+            for x, device in zip(xs, devices, strict=True):
                 with tf.device(device):
-                    stats.append(tuple(tf.nn.moments(x, _axes(x, -1))))
+                    stats.append(combine_moments(local_moments(x)[None]))
+        out = self._per_device(xs, devices, [(mean, variance) for _, mean, variance in stats])
+        # Moving statistics, once per step: the count-weighted average of the devices' pairs. Synchronized,
+        # every pair is the global one; per device, it is the global mean and the mean within-device variance.
+        count = tf.add_n([n for n, _, _ in stats])
+        mean = tf.math.divide_no_nan(tf.add_n([n * m for n, m, _ in stats]), count)
+        variance = tf.math.divide_no_nan(tf.add_n([n * v for n, _, v in stats]), count)
+        self._update_moving(count, mean, variance)
+        return out
+
+    def _per_device(self, xs, devices, stats):
         out = []
-        for x, (mean, variance), device in zip(xs, stats, devices):
+        for x, (mean, variance), device in zip(xs, stats, devices, strict=True):
             with tf.device(device):
                 out.append(self._normalize(x, mean, variance))
-        # Moving statistics: once per step. Synchronized, every pair is the global one; per
-        # device, the average of the devices' means (the global mean) and of their variances.
-        mean = tf.add_n([m for m, _ in stats]) / len(stats)
-        variance = tf.add_n([v for _, v in stats]) / len(stats)
-        self._update_moving(mean, variance)
         return out
 
     def __call__(self, x, training: bool):
+        self._check_input(x)
         if not training:
             return self._normalize(x, self.moving_mean, self.moving_variance)
+        row = local_moments(x)
         context = tf.distribute.get_replica_context()
-        if self.synchronized and context is not None and context.num_replicas_in_sync > 1:
-            sums = context.all_reduce(tf.distribute.ReduceOp.SUM, local_sums(x))
-            mean, variance = moments_from_sums(sums, self.num_features)
-            mean, variance = tf.cast(mean, x.dtype), tf.cast(variance, x.dtype)
+        replicas = context.num_replicas_in_sync if context is not None else 1
+        if self.synchronized and replicas > 1:
+            # One all-reduce that gathers every replica's row (see the module docstring).
+            rows = context.all_reduce(tf.distribute.ReduceOp.SUM,
+                                      _in_slot(row, context.replica_id_in_sync_group, replicas))
         else:
-            mean, variance = tf.nn.moments(x, _axes(x, -1))
-        self._update_moving(mean, variance)
+            rows = row[None]
+        count, mean, variance = combine_moments(rows)
+        self._update_moving(count, mean, variance)
         return self._normalize(x, mean, variance)
