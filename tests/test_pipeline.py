@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tutorial_lib import data, models, pipeline, timeline
+from tutorial_lib import data, models, pipeline, reference, timeline
 
 
 @pytest.fixture(scope="module")
@@ -16,8 +16,15 @@ def test_bubble_fraction():
     assert pipeline.bubble_fraction(2, 8) == pytest.approx(1 / 9)
     assert pipeline.bubble_fraction(4, 4) == pytest.approx(3 / 7)
     for bad in (0, -1, 2.0, True):
-        with pytest.raises(ValueError, match="whole number"):
+        with pytest.raises(ValueError, match="stages must be a whole number"):
             pipeline.bubble_fraction(bad, 4)
+        with pytest.raises(ValueError, match="micro_batches must be a whole number"):
+            pipeline.schedule(2, bad)
+
+
+def test_numpy_integers_are_whole_numbers():
+    assert pipeline.bubble_fraction(np.int64(2), np.int64(8)) == pytest.approx(1 / 9)
+    assert pipeline.schedule(np.int64(2), np.int32(2)) == pipeline.schedule(2, 2)
 
 
 def test_gpipe_schedule_for_two_stages():
@@ -45,26 +52,38 @@ def test_schedule_rejects_unknown_kind():
         pipeline.schedule(2, 2, "zigzag")
 
 
-def _reference(stages, devs, x, y):
-    loss, grads = pipeline.sequential_gradients(stages, devs, x, y)
+def _reference(stages, x, y):
+    """The whole model on the whole batch, not pipelined: the single-device reference."""
+    loss, grads = reference.loss_and_gradients(models.Sequential(stages), x, y)
     return float(loss), [g.numpy() for g in grads]
+
+
+def test_sequential_gradients_equal_the_reference(devs, batch):
+    x, y = batch
+    stages = models.cnn_stages(devices=devs[:3], seed=5)
+    ref_loss, ref_grads = _reference(stages, x, y)
+    loss, grads = pipeline.sequential_gradients(stages, devs[:3], x, y)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+    for g, r in zip(grads, ref_grads, strict=True):
+        np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-7)
 
 
 @pytest.mark.parametrize("kind", pipeline.SCHEDULES)
 def test_pipelined_gradients_and_step_equal_the_sequential_step(devs, batch, kind):
     x, y = batch
     stages = models.cnn_stages(devices=devs[:3], seed=5)
-    ref_loss, ref_grads = _reference(stages, devs[:3], x, y)
+    ref_loss, ref_grads = _reference(stages, x, y)
     pipe = pipeline.Pipeline(stages, devs[:3], micro_batches=4, learning_rate=0.1, schedule_kind=kind)
     loss, grads = pipe.gradients(x, y)
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
-    for g, r in zip(grads, ref_grads):
+    for g, r in zip(grads, ref_grads, strict=True):
         np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-6)
-    before = [v.numpy() for s in stages for v in s.trainable_variables]
-    np.testing.assert_allclose(pipe.train_step(x, y), ref_loss, rtol=1e-5)
+    single = models.Sequential(models.cnn_stages(seed=5))  # the same weights, on one device
+    before = [v.numpy() for v in single.trainable_variables]
+    np.testing.assert_allclose(pipe.train_step(x, y), reference.sgd_step(single, x, y, 0.1), rtol=1e-5)
     after = [v.numpy() for s in stages for v in s.trainable_variables]
-    for b, a, g in zip(before, after, ref_grads):
-        np.testing.assert_allclose(a, b - 0.1 * g, rtol=1e-4, atol=1e-6)
+    for a, b, w in zip(after, single.trainable_variables, before, strict=True):
+        np.testing.assert_allclose(a - w, b.numpy() - w, rtol=1e-3, atol=1e-7)  # the updates themselves
     assert all(buffer.count == 0 and buffer.size() == 0 for buffer in pipe.buffers())
 
 
@@ -86,7 +105,7 @@ def test_a_step_after_an_interrupted_one_starts_clean(devs, batch):
     x, y = batch
     stages = models.cnn_stages(devices=devs[:3])
     pipe = pipeline.Pipeline(stages, devs[:3], micro_batches=4, learning_rate=0.0)
-    ref_loss, _ = _reference(stages, devs[:3], x, y)
+    ref_loss, _ = _reference(stages, x, y)
     pipe.gradients(x, y)
     pipe._stage_inputs(x, y)  # an interrupted step leaves items behind
     pipe._run_tick(*pipe.ticks[0])

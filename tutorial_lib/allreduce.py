@@ -4,8 +4,11 @@
 - `ring_all_reduce`: the bandwidth-optimal ring, written out: reduce-scatter, then
   all-gather, N-1 steps each; every device sends 2(N-1)/N of the tensor, whatever N is.
 - `nccl_all_reduce`: NVIDIA's NCCL `all_sum` kernel, on distinct physical GPUs only.
+- `all_reduce(tensors, method=...)`: the one entry to the three, which the rest goes through.
 - `allreduce_grads`: tensorpack's K towers x N gradients interface over any of them.
 - `pack` / `unpack` / `buckets`: fuse many small tensors into few large ones.
+
+`MirroredStrategy`, TensorFlow's own route, has its helpers in `strategy`.
 """
 
 from __future__ import annotations
@@ -18,7 +21,9 @@ from dataclasses import dataclass
 
 import tensorflow as tf
 
+from . import checks
 from . import devices as _devices
+from .towers import unzip_tower_grads
 
 METHODS = ("ring", "nccl", "central")
 
@@ -32,8 +37,8 @@ def _placed(tensors, devices=None) -> list[str]:
         if not all(devices):
             raise ValueError("cannot tell which device holds each tensor (inside tf.function, a "
                              "tensor's device is known only under tf.device); pass devices=[...].")
-    if len(devices) != len(tensors):
-        raise ValueError(f"{len(tensors)} tensors but {len(devices)} devices.")
+    devices = checks.device_list(devices)
+    checks.same_length("tensors", tensors, "devices", devices)
     shapes = {tuple(t.shape) for t in tensors}
     dtypes = {t.dtype for t in tensors}
     if len(shapes) > 1 or len(dtypes) > 1:
@@ -93,7 +98,7 @@ def ring_all_reduce(tensors, average: bool = False, devices=None, stats: dict | 
     shape, dtype = tensors[0].shape, tensors[0].dtype
     sizes = _chunk_sizes(shape.num_elements(), n)
     chunks = []  # chunks[i][c]: device i's current copy of chunk c
-    for t, d in zip(tensors, where):
+    for t, d in zip(tensors, where, strict=True):
         with tf.device(d):
             chunks.append(tf.split(tf.reshape(t, [-1]), sizes))
     sent, log = [0] * n, []
@@ -111,7 +116,7 @@ def ring_all_reduce(tensors, average: bool = False, devices=None, stats: dict | 
     for s in range(n - 1):
         step("reduce-scatter", s, lambda mine, received: mine + received, lambda i, s=s: (i - s) % n)
     for s in range(n - 1):
-        step("all-gather", s, lambda mine, received: tf.identity(received), lambda i, s=s: (i + 1 - s) % n)
+        step("all-gather", s, lambda _mine, received: tf.identity(received), lambda i, s=s: (i + 1 - s) % n)
 
     if stats is not None:
         stats.update(bytes_sent=sent, sends=log)
@@ -149,41 +154,55 @@ def nccl_all_reduce(tensors, average: bool = False, devices=None):
     from tensorflow.python.ops import nccl_ops
 
     summed = nccl_ops.all_sum(list(tensors))  # each tensor already on its own GPU
-    return [_finish(t, d, len(tensors), average) for t, d in zip(summed, where)]
+    return [_finish(t, d, len(tensors), average) for t, d in zip(summed, where, strict=True)]
 
 
 _REDUCERS = {"ring": ring_all_reduce, "nccl": nccl_all_reduce, "central": central_all_reduce}
 
 
-def all_reduce(tensors, method: str = "ring", average: bool = False, devices=None):
-    """One tensor per device in, the sum (or mean) of all of them on every device out."""
+def _reducer(method: str):
     if method not in _REDUCERS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}.")
-    return _REDUCERS[method](list(tensors), average=average, devices=devices)
+    return _REDUCERS[method]
+
+
+def all_reduce(tensors, method: str = "ring", average: bool = False, devices=None):
+    """One tensor per device in, the sum (or mean) of all of them on every device out."""
+    return _reducer(method)(list(tensors), average=average, devices=devices)
+
+
+def _tower_devices(towers, devices):
+    """`devices` checked to name one device per tower (None stays None: each tensor's own)."""
+    if devices is None:
+        return None
+    devices = checks.device_list(devices)
+    checks.same_length("towers", towers, "devices", devices)
+    return devices
+
+
+def _with_variables(tower_grads, variables):
+    """Each tower's gradients paired again with its own variables, where they came as pairs."""
+    if variables is None:
+        return tower_grads
+    return [list(zip(grads, vs, strict=True)) for grads, vs in zip(tower_grads, variables, strict=True)]
 
 
 def allreduce_grads(all_grads, average: bool = True, method: str = "ring", devices=None):
     """All-reduce K towers' gradients (K lists of N) and return K lists of N, as tensorpack does.
 
     Gradient j of tower k is replaced by the sum (or mean) over towers of gradient j,
-    placed on tower k's device. None gradients (unused variables) stay None.
+    placed on tower k's device. None gradients (unused variables) stay None. Towers of
+    `(gradient, variable)` pairs give back pairs, each tower keeping its own variables.
     """
-    if method not in _REDUCERS:
-        raise ValueError(f"method must be one of {METHODS}, got {method!r}.")
-    from .towers import _check_tower_grads
-
-    _check_tower_grads(all_grads)
-    k = len(all_grads)
+    _reducer(method)  # an unknown method is refused even where there is nothing to reduce
+    grads, variables = unzip_tower_grads(all_grads)
+    devices = _tower_devices(grads, devices)
+    k = len(grads)
     if k == 1 and not average:
-        return [list(all_grads[0])]
-    reduce = _REDUCERS[method]
-    per_variable = []  # N x K
-    for grads in zip(*all_grads):
-        if grads[0] is None:
-            per_variable.append([None] * k)
-        else:
-            per_variable.append(reduce(list(grads), average=average, devices=devices))
-    return [list(tower) for tower in zip(*per_variable)]  # back to K x N
+        return _with_variables(grads, variables)
+    per_variable = [[None] * k if column[0] is None else all_reduce(column, method, average, devices)
+                    for column in zip(*grads, strict=True)]  # N x K
+    return _with_variables([[column[i] for column in per_variable] for i in range(k)], variables)
 
 
 # --- packing many small tensors into few large ones -----------------------------------
@@ -199,20 +218,21 @@ def pack(tensors):
 def unpack(vector, shapes):
     """Inverse of `pack`: cut the vector and restore the shapes."""
     pieces = tf.split(vector, [s.num_elements() for s in shapes])
-    return [p if s.rank == 1 else tf.reshape(p, s) for p, s in zip(pieces, shapes)]
+    return [p if s.rank == 1 else tf.reshape(p, s) for p, s in zip(pieces, shapes, strict=True)]
 
 
 def buckets(tensors, max_bytes: int) -> list[list[int]]:
-    """Group consecutive tensor indices into buckets of at most `max_bytes` each.
+    """Group consecutive tensor indices into buckets of at most `max_bytes` each, one dtype per bucket.
 
-    A tensor larger than `max_bytes` gets a bucket of its own.
+    A tensor larger than `max_bytes` gets a bucket of its own, and a tensor whose dtype
+    differs from the one before it starts a new bucket: a packed vector has a single dtype.
     """
     if max_bytes < 1:
         raise ValueError(f"max_bytes must be >= 1, got {max_bytes}.")
     groups, size = [], 0
     for i, t in enumerate(tensors):
         nbytes = t.shape.num_elements() * t.dtype.size
-        if groups and size + nbytes <= max_bytes:
+        if groups and size + nbytes <= max_bytes and t.dtype == tensors[groups[-1][0]].dtype:
             groups[-1].append(i)
             size += nbytes
         else:
@@ -225,30 +245,26 @@ def packed_allreduce_grads(all_grads, max_bytes: int, average: bool = True, meth
     """`allreduce_grads` with each tower's gradients packed into buckets first.
 
     Inside a `tf.function`, pass `devices` (one per tower): a tensor's device is not known there.
+    Each gradient comes back in its own dtype; towers of `(gradient, variable)` pairs give back pairs.
     """
-    from .towers import _check_tower_grads
-
-    _check_tower_grads(all_grads)
-    if any(g is None for g in all_grads[0]):
+    grads, variables = unzip_tower_grads(all_grads)
+    if any(g is None for g in grads[0]):
         raise ValueError("packing needs every gradient; drop variables whose gradient is None first.")
-    places = [_normalize_or_none(d) for d in devices] if devices else [grads[0].device or None for grads in all_grads]
-    out = [[None] * len(all_grads[0]) for _ in all_grads]
-    for group in buckets(all_grads[0], max_bytes):
+    devices = _tower_devices(grads, devices)
+    places = [_devices.normalize(d) for d in devices] if devices else [tower[0].device or None for tower in grads]
+    out = [[None] * len(grads[0]) for _ in grads]
+    for group in buckets(grads[0], max_bytes):
         packed, shapes = [], None
-        for grads, device in zip(all_grads, places):
+        for tower, device in zip(grads, places, strict=True):
             with tf.device(device):
-                vector, shapes = pack([grads[j] for j in group])
+                vector, shapes = pack([tower[j] for j in group])
             packed.append(vector)
-        reduced = allreduce_grads([[p] for p in packed], average=average, method=method, devices=devices)
-        for k, ((vector,), device) in enumerate(zip(reduced, places)):
+        reduced = all_reduce(packed, method=method, average=average, devices=devices)
+        for k, (vector, device) in enumerate(zip(reduced, places, strict=True)):
             with tf.device(device):
-                for j, g in zip(group, unpack(vector, shapes)):
+                for j, g in zip(group, unpack(vector, shapes), strict=True):
                     out[k][j] = g
-    return out
-
-
-def _normalize_or_none(device):
-    return _devices.normalize(device) if device else None
+    return _with_variables(out, variables)
 
 
 # --- which NCCL is installed ---------------------------------------------------------
@@ -283,38 +299,3 @@ def nccl_version() -> NcclInfo:
         return NcclInfo(None, found[0], f"the library did not load: {err}")
     major, rest = divmod(code.value, 10000)  # NCCL >= 2.9 encodes X.Y.Z as X*10000 + Y*100 + Z
     return NcclInfo(f"{major}.{rest // 100}.{rest % 100}", found[0], "loaded")
-
-
-def mirrored_strategy(devices, cross_device_ops=None) -> tf.distribute.MirroredStrategy:
-    """A `MirroredStrategy` whose collective keys cannot collide with an earlier one's.
-
-    Every `MirroredStrategy` numbers its collective groups from the same base. A second
-    strategy over a different number of devices in the same process then reuses a group key
-    with another size and fails with "... is joining a group with size 2, but that group has
-    size 4". TensorFlow's own tests move the base between strategies; so does this.
-    """
-    tf.distribute.MirroredStrategy._collective_key_base += 100_000
-    return tf.distribute.MirroredStrategy(devices, cross_device_ops=cross_device_ops)
-
-
-def mirrored_train_step(strategy, model, optimizer, global_batch: int):
-    """Notebook 03's custom step under a `tf.distribute` strategy; returns the batch's loss.
-
-    Each replica divides its summed loss by the global batch, so that the gradients, summed
-    across replicas inside `apply_gradients`, are those of the global mean.
-    """
-
-    @tf.function
-    def step(dist_x, dist_y):
-        def replica_step(x, y):
-            with tf.GradientTape() as tape:
-                per_example = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=model(x))
-                loss = tf.nn.compute_average_loss(per_example, global_batch_size=global_batch)
-            grads = tape.gradient(loss, model.trainable_variables)
-            optimizer.apply_gradients(zip(grads, model.trainable_variables))
-            return loss
-
-        losses = strategy.run(replica_step, args=(dist_x, dist_y))
-        return strategy.reduce(tf.distribute.ReduceOp.SUM, losses, axis=None)
-
-    return step

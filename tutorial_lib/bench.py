@@ -74,7 +74,7 @@ def weak_scaling(devs, hidden=(256, 256), per_device=256, repeats=15):
     """Same batch per device, 1..N devices: hand towers, ring with replicas, MirroredStrategy."""
     import tensorflow as tf
 
-    from . import allreduce, models, towers
+    from . import models, towers
 
     rows = []
     x, y = synthetic_batch(per_device * len(devs))
@@ -90,7 +90,7 @@ def weak_scaling(devs, hidden=(256, 256), per_device=256, repeats=15):
                 replicas.append(models.MLP(hidden=hidden))
         t, s = measure(_ring_step(replicas, devs[:k]), xk, yk, repeats=repeats)
         rows.append(_row("weak scaling", "ring, replicated", t, s, devices=k, examples_per_s=per_device * k / t))
-        t, s = _mirrored(devs[:k], hidden, xk, yk, repeats, allreduce)
+        t, s = _mirrored(devs[:k], hidden, xk, yk, repeats)
         rows.append(_row("weak scaling", "MirroredStrategy", t, s, devices=k, examples_per_s=per_device * k / t))
     for row in rows:
         one = next(r for r in rows if r["variant"] == row["variant"] and r["devices"] == 1)
@@ -117,16 +117,17 @@ def _ring_step(replicas, devs):
     return step
 
 
-def _mirrored(devs, hidden, x, y, repeats, allreduce):
+def _mirrored(devs, hidden, x, y, repeats):
     import tensorflow as tf
 
     from . import models
+    from .strategy import mirrored_strategy, mirrored_train_step
 
-    strategy = allreduce.mirrored_strategy(devs)
+    strategy = mirrored_strategy(devs)
     with strategy.scope():
         net, sgd = models.MLP(hidden=hidden), tf.keras.optimizers.SGD(0.01)
     k, batch = len(devs), int(x.shape[0])
-    step = allreduce.mirrored_train_step(strategy, net, sgd, batch)
+    step = mirrored_train_step(strategy, net, sgd, batch)
     dist = strategy.experimental_distribute_values_from_function(
         lambda ctx: (tf.split(x, k)[ctx.replica_id_in_sync_group], tf.split(y, k)[ctx.replica_id_in_sync_group]))
     return measure(step, *dist, repeats=repeats)
@@ -184,9 +185,10 @@ def allreduce_methods(devs, sizes=(1_000, 100_000, 1_000_000), repeats=15):
     import tensorflow as tf
 
     from . import allreduce
+    from .strategy import mirrored_strategy
 
     n, rows = len(devs), []
-    strategy = allreduce.mirrored_strategy(devs)
+    strategy = mirrored_strategy(devs)
     for size in sizes:
         tensors = []
         for i, d in enumerate(devs):

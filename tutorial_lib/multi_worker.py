@@ -38,19 +38,11 @@ def reference_weights(workers: int, batch: int, steps: int, seed: int = 0):
     """What the job must end with: the same global batches, trained on one device in one process."""
     import tensorflow as tf
 
-    from . import models
+    from . import models, reference
 
     model = models.MLP(hidden=HIDDEN, seed=seed)
     streams = [iter(shard_dataset(w, workers, batch, seed)) for w in range(workers)]
-
-    @tf.function
-    def step(x, y):
-        with tf.GradientTape() as tape:
-            loss = models.cross_entropy(model(x), y)
-        for v, g in zip(model.trainable_variables, tape.gradient(loss, model.trainable_variables)):
-            v.assign_sub(LEARNING_RATE * g)
-        return loss
-
+    step = reference.make_sgd_step(model, LEARNING_RATE)
     for _ in range(steps):
         parts = [next(s) for s in streams]
         step(tf.concat([p[0] for p in parts], 0), tf.concat([p[1] for p in parts], 0))
@@ -94,7 +86,8 @@ def train(args) -> int:
     import numpy as np
     import tensorflow as tf
 
-    from . import allreduce, models
+    from . import models
+    from .strategy import mirrored_train_step
 
     # One single-core CPU per worker, like devices.simulate(1); simulate itself would start
     # TensorFlow's runtime, which the strategy must configure first.
@@ -131,7 +124,7 @@ def train(args) -> int:
 
     batches = iter(strategy.distribute_datasets_from_function(dataset_fn))
 
-    train_step = allreduce.mirrored_train_step(strategy, model, optimizer, global_batch)  # notebook 03's step
+    train_step = mirrored_train_step(strategy, model, optimizer, global_batch)  # notebook 03's step
 
     # Only the chief keeps a step log; the others write theirs to nowhere.
     with open(os.path.join(args.out, "steps.jsonl") if chief else os.devnull, "a") as log:

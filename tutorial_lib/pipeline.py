@@ -24,7 +24,7 @@ import itertools
 import tensorflow as tf
 from tensorflow.python.ops import data_flow_ops
 
-from . import models
+from . import checks, models
 from .devices import normalize
 
 SCHEDULES = ("sequential", "gpipe", "1f1b")
@@ -37,10 +37,8 @@ class PipelineError(RuntimeError):
 
 def bubble_fraction(stages: int, micro_batches: int) -> float:
     """Idle share of a GPipe step with balanced stages: (S-1)/(M+S-1)."""
-    for name, value in (("stages", stages), ("micro_batches", micro_batches)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a whole number >= 1, got {value!r}.")
-    return (stages - 1) / (micro_batches + stages - 1)
+    S, M = checks.whole_number(stages, "stages"), checks.whole_number(micro_batches, "micro_batches")
+    return (S - 1) / (M + S - 1)
 
 
 def schedule(stages: int, micro_batches: int, kind: str = "gpipe"):
@@ -53,10 +51,9 @@ def schedule(stages: int, micro_batches: int, kind: str = "gpipe"):
     stage s at tick m + 2(S-1) - s, as soon as its gradient has arrived, so the last stage
     runs the forward and the backward of a micro-batch in the same tick.
     """
-    bubble_fraction(stages, micro_batches)  # validates both numbers
+    S, M = checks.whole_number(stages, "stages"), checks.whole_number(micro_batches, "micro_batches")
     if kind not in SCHEDULES:
         raise ValueError(f"schedule must be one of {SCHEDULES}, got {kind!r}.")
-    S, M = stages, micro_batches
 
     def active(t, offset):  # stages s with 0 <= t - offset(s) < M
         return frozenset(s for s in range(S) if 0 <= t - offset(s) < M)

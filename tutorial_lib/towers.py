@@ -3,19 +3,22 @@
 This is the pattern of TensorFlow's classic `cifar10_multi_gpu_train.py`, in TF 2: one
 set of variables (on a controller device), one tower per device computing the loss and
 gradients of its share of the batch, and the averaged gradient applied once.
+
+Tower gradients come in either of two shapes, K towers x N variables each: plain
+gradients, or cifar10's `(gradient, variable)` pairs from `optimizer.compute_gradients`.
 """
 
 from __future__ import annotations
 
 import tensorflow as tf
 
-from . import models
+from . import checks, models
+from .reference import apply_sgd  # also towers.apply_sgd, the name the notebooks use
 
 
 def split_batch(batch, n: int):
     """Split a tensor, or a tuple/dict of tensors, into n equal shards along axis 0."""
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"n (the number of towers) must be a whole number >= 1, got {n!r}.")
+    n = checks.whole_number(n, "n (the number of towers)")
     leaves = [tf.convert_to_tensor(t) for t in tf.nest.flatten(batch)]
     sizes = {t.shape[0] for t in leaves}
     if None not in sizes and len(sizes) != 1:
@@ -31,21 +34,46 @@ def split_batch(batch, n: int):
     return [tf.nest.pack_sequence_as(batch, [p[i] for p in parts]) for i in range(n)]
 
 
+def _is_pair(entry) -> bool:
+    return isinstance(entry, tuple) and len(entry) == 2  # a gradient itself is never a tuple
+
+
+def unzip_tower_grads(tower_grads):
+    """Check K towers of N gradients each; return (K lists of gradients, K lists of variables).
+
+    Towers of plain gradients come back as lists, with None for the variables. Towers of
+    cifar10's `(gradient, variable)` pairs are split in two; a mix of both kinds is refused.
+    """
+    kinds = {_is_pair(entry) for tower in tower_grads for entry in tower}
+    if len(kinds) > 1:
+        raise ValueError("tower gradients mix (gradient, variable) pairs and plain gradients: "
+                         "give every tower the same kind, e.g. all from optimizer.compute_gradients.")
+    if kinds == {True}:
+        grads = [[g for g, _ in tower] for tower in tower_grads]
+        variables = [[v for _, v in tower] for tower in tower_grads]
+    else:
+        grads, variables = [list(tower) for tower in tower_grads], None
+    _check_tower_grads(grads)
+    return grads, variables
+
+
 def average_gradients(tower_grads, device: str | None = None):
     """Average K towers' gradients (K lists of N) into N gradients, on `device`.
 
     A variable that no tower's loss uses has gradient None in every tower; it stays None.
+    Given cifar10's `(gradient, variable)` pairs, returns N pairs, each with tower 0's
+    variable (the towers share their variables there).
     """
-    _check_tower_grads(tower_grads)
-    k = len(tower_grads)
+    grads, variables = unzip_tower_grads(tower_grads)
+    k = len(grads)
     averaged = []
     with tf.device(device), tf.name_scope("average_gradients"):
-        for per_tower in zip(*tower_grads):
+        for per_tower in zip(*grads, strict=True):
             if per_tower[0] is None:
                 averaged.append(None)
             else:
                 averaged.append(tf.add_n(list(per_tower)) / tf.cast(k, per_tower[0].dtype))
-    return averaged
+    return averaged if variables is None else list(zip(averaged, variables[0], strict=True))
 
 
 def _check_tower_grads(tower_grads) -> None:
@@ -55,21 +83,22 @@ def _check_tower_grads(tower_grads) -> None:
     if len(lengths) != 1:
         raise ValueError(
             f"every tower must give one gradient per variable, got lengths {sorted(lengths)}.")
-    for j, per_tower in enumerate(zip(*tower_grads)):
+    for j, per_tower in enumerate(zip(*tower_grads, strict=True)):
         missing = [g is None for g in per_tower]
         if any(missing) and not all(missing):
             raise ValueError(f"variable {j} has a gradient in some towers and None in others.")
-        shapes = {tuple(g.shape) for g in per_tower if g is not None}
-        if len(shapes) > 1:
-            raise ValueError(f"variable {j} has gradients of different shapes across towers: {sorted(shapes)}.")
+        kinds = {(tuple(g.shape), g.dtype.name) for g in per_tower if g is not None}
+        if len(kinds) > 1:
+            raise ValueError(f"variable {j} has gradients of different shapes or dtypes across towers: "
+                             f"{sorted(kinds)}.")
 
 
 def tower_gradients(model, x, y, devices):
     """Per-tower losses and gradients: tower i runs `model` on shard i under devices[i]."""
-    if not devices:
-        raise ValueError("no devices: pass at least one device name.")
+    devices = checks.device_list(devices)
     losses, grads = [], []
-    for i, (device, (xs, ys)) in enumerate(zip(devices, split_batch((x, y), len(devices)))):
+    shards = split_batch((x, y), len(devices))
+    for i, (device, (xs, ys)) in enumerate(zip(devices, shards, strict=True)):
         with tf.device(device), tf.name_scope(f"tower_{i}"):
             with tf.GradientTape() as tape:
                 loss = models.cross_entropy(model(xs), ys)
@@ -78,19 +107,12 @@ def tower_gradients(model, x, y, devices):
     return losses, grads
 
 
-def apply_sgd(variables, grads, learning_rate: float) -> None:
-    """Plain SGD, each update on the device of its variable."""
-    for v, g in zip(variables, grads):
-        if g is not None:
-            with tf.device(v.device):
-                v.assign_sub(learning_rate * g)
-
-
 def make_train_step(model, devices, learning_rate: float, controller: str | None = None):
     """A `tf.function` step: towers on `devices`, gradients averaged on `controller`.
 
     Returns the mean loss of the towers, which is the loss of the whole batch.
     """
+    devices = checks.device_list(devices)
     controller = controller or devices[0]
 
     @tf.function
