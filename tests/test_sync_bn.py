@@ -3,6 +3,7 @@ import pytest
 import tensorflow as tf
 
 from tutorial_lib import allreduce, sync_bn
+from tutorial_lib.strategy import mirrored_strategy
 
 
 def _spread(devs, arrays):
@@ -80,7 +81,7 @@ def test_per_device_bn_differs_and_inference_uses_moving_statistics(devs):
 
 
 def test_sync_bn_under_mirrored_strategy_matches_keras_synchronized_bn(devs):
-    strategy = allreduce.mirrored_strategy(devs)
+    strategy = mirrored_strategy(devs)
     rng = np.random.default_rng(3)
     x = rng.normal(3.0, 2.0, size=(16, 5)).astype(np.float32)
     with strategy.scope():
@@ -173,7 +174,7 @@ def _strategy_call(strategy, layer, shards, training=True):
 
 
 def test_sync_bn_under_mirrored_strategy_is_exact_for_a_large_mean_in_float64(devs):
-    strategy = allreduce.mirrored_strategy(devs)
+    strategy = mirrored_strategy(devs)
     rng = np.random.default_rng(5)
     shards = [1e4 + 1e-2 * rng.normal(size=(count, 3)) for count in (3, 8, 1, 5)]
     with strategy.scope():
@@ -187,7 +188,7 @@ def test_sync_bn_under_mirrored_strategy_is_exact_for_a_large_mean_in_float64(de
 
 def test_an_empty_replica_shard_contributes_nothing_under_mirrored_strategy(devs):
     # the last partial batch of an epoch: 3 examples over 4 replicas leaves one replica with none
-    strategy = allreduce.mirrored_strategy(devs)
+    strategy = mirrored_strategy(devs)
     rng = np.random.default_rng(6)
     x, target = rng.normal(2.0, 3.0, size=(2, 3, 5)).astype(np.float32)
     cuts = [(0, 1), (1, 2), (2, 3), (3, 3)]
