@@ -55,3 +55,38 @@ def test_bad_input():
         costmodel.fit_compute([64, 64], [1.0, 1.1])
     with pytest.raises(ValueError, match="n >= 2"):
         costmodel.fit_alpha_beta([1e3, 1e4], [1, 2], 1)
+
+
+@pytest.mark.parametrize("algorithm", costmodel.ALGORITHMS)
+def test_fit_alpha_beta_recovers_each_algorithm(algorithm):
+    sizes = [1e3, 1e5, 1e7]
+    times = [costmodel.allreduce_time(s, 4, LINK, algorithm) for s in sizes]
+    fitted = costmodel.fit_alpha_beta(sizes, times, 4, algorithm=algorithm)
+    assert (fitted.alpha, fitted.beta) == (pytest.approx(LINK.alpha), pytest.approx(LINK.beta))
+
+
+def test_unknown_algorithms_are_refused_everywhere():
+    with pytest.raises(ValueError, match=r"algorithm must be 'ring' or 'central', got 'bogus'"):
+        costmodel.fit_alpha_beta([1e3, 1e4], [1e-3, 2e-3], 2, algorithm="bogus")
+    with pytest.raises(ValueError, match="got 'bogus'"):
+        costmodel.allreduce_time(1e6, 1, LINK, "bogus")  # even where one device would move nothing
+    with pytest.raises(ValueError, match="got 'bogus'"):
+        costmodel.predict_step(costmodel.Compute(1e-6, 0.0), 64, 2, 1e6, LINK, algorithm="bogus")
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda: costmodel.allreduce_time(1e6, 2.0, LINK), r"n \(the number of devices\) must be a whole number >= 1"),
+    (lambda: costmodel.allreduce_time(1e6, True, LINK), "whole number >= 1, got True"),
+    (lambda: costmodel.fit_alpha_beta([1e3, 1e4], [1, 2], 0), "whole number >= 1, got 0"),
+    (lambda: costmodel.predict_pipeline(1.0, stages=0, micro_batches=4), "stages must be a whole number >= 1"),
+    (lambda: costmodel.predict_pipeline(1.0, stages=2, micro_batches=1.5), "micro_batches must be a whole number"),
+    (lambda: costmodel.fit_alpha_beta([1e3, 1e4, 1e5], [1, 2], 2), "3 sizes but 2 times"),
+    (lambda: costmodel.fit_compute([64, 128, 256], [1.0, 1.1]), "3 batch sizes but 2 times"),
+])
+def test_bad_counts_name_the_argument(call, message):
+    with pytest.raises(ValueError, match=message):
+        call()
+
+
+def test_numpy_integers_are_whole_numbers():
+    assert costmodel.allreduce_time(1e6, np.int64(4), LINK) == costmodel.allreduce_time(1e6, 4, LINK)

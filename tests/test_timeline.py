@@ -1,3 +1,5 @@
+import tempfile
+
 import matplotlib.pyplot as plt
 import pytest
 import tensorflow as tf
@@ -29,7 +31,7 @@ def test_sequential_chain_keeps_one_device_busy_at_a_time(devs):
 
     def chain(x):
         for _ in range(4):
-            for d, v in zip(devs[:2], w):
+            for d, v in zip(devs[:2], w, strict=True):
                 with tf.device(d):
                     x = tf.tanh(tf.matmul(x, v))
         return x
@@ -48,7 +50,7 @@ def test_independent_work_overlaps(devs):
 
     def parallel(x):
         outs = []
-        for d, v in zip(devs[:2], w):
+        for d, v in zip(devs[:2], w, strict=True):
             with tf.device(d):
                 y = x
                 for _ in range(12):
@@ -84,8 +86,72 @@ def test_phases():
     assert timeline.Event("d", "gradient_tape/MatMul", "MatMul", 0, 1).phase == "backward"
     assert timeline.Event("d", "AssignSubVariableOp", "AssignSubVariableOp", 0, 1).phase == "update"
     assert timeline.Event("d", "MatMul", "MatMul", 0, 1).phase == "forward"
-    assert timeline.Event("d", "average/AddN", "AddN", 0, 1).phase == "reduce"
+    assert timeline.Event("d", "average_gradients/AddN", "AddN", 0, 1).phase == "reduce"
     assert timeline.Event("d", "ring_all_reduce/add_3", "AddV2", 0, 1).phase == "reduce"
+
+
+@pytest.mark.parametrize("op, op_type, phase", [
+    # scope names that merely contain a reduce word are not reduce scopes
+    ("tower_0/ToString", "AsString", "forward"),
+    ("moving_average/AssignSub", "AssignSubVariableOp", "update"),
+    ("scattering/MatMul", "MatMul", "forward"),
+    # reduce scopes opened again (TensorFlow's _1, _2), nested, or inside an inlined function
+    ("tower_1/ring_all_reduce_2/add_3", "AddV2", "reduce"),
+    ("StatefulPartitionedCall/average_gradients_1/truediv", "RealDiv", "reduce"),
+    ("nccl_all_reduce/NcclAllReduce", "NcclAllReduce", "reduce"),
+    ("replica_1/CollectiveReduceV2", "CollectiveReduceV2", "reduce"),
+])
+def test_reduce_scopes_are_whole_name_components(op, op_type, phase):
+    assert timeline.Event("d", op, op_type, 0, 1).phase == phase
+
+
+def test_the_packages_reduce_scopes_are_reduce_and_nothing_else_is(devs):
+    from tutorial_lib import allreduce, towers
+
+    def step(a, b):
+        with tf.device(devs[0]):
+            x = tf.tanh(a)
+        with tf.device(devs[1]):
+            y = tf.tanh(b)
+        twice = allreduce.ring_all_reduce(allreduce.ring_all_reduce([x, y], devices=devs[:2]), devices=devs[:2])
+        central = allreduce.allreduce_grads([[x], [y]], method="central", devices=devs[:2])
+        averaged = [towers.average_gradients([[x], [y]], devs[0]) for _ in range(2)]
+        return twice, central, averaged
+
+    ops = timeline.placement(step, tf.ones([8]), tf.ones([8]))
+    scopes = ("ring_all_reduce/", "ring_all_reduce_1/", "central_all_reduce/", "average_gradients/",
+              "average_gradients_1/")
+    assert {s for s in scopes if any(name.startswith(s) for name, _, _ in ops)} == set(scopes)
+    for name, op_type, device in ops:
+        assert (timeline.Event(device, name, op_type, 0, 1).phase == "reduce") == name.startswith(scopes), name
+
+
+def _trace_folders(folder):
+    return sorted(p.name for p in folder.iterdir() if p.name.startswith("tutorial_trace_"))
+
+
+def test_trace_removes_its_files(devs, tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # this test's own temporary folder
+    with tf.device(devs[0]):
+        w = tf.Variable(tf.ones([64, 64]))
+    events = timeline.trace(lambda x: tf.matmul(x, w), tf.ones([64, 64]))
+    assert any(e.op == "MatMul" for e in events)  # the trace was written and read
+    assert _trace_folders(tmp_path) == []
+
+
+def test_trace_removes_its_files_when_fn_raises(tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    calls = []
+
+    def fails_when_traced():
+        calls.append(1)
+        if len(calls) > 1:  # the untraced warm-up succeeds
+            raise RuntimeError("boom")
+        return tf.constant(1.0)
+
+    with pytest.raises(RuntimeError, match="boom"):
+        timeline.trace(fails_when_traced, placement_of=[])
+    assert len(calls) == 2 and _trace_folders(tmp_path) == []
 
 
 def test_plot_has_a_lane_per_device_and_labelled_axes():

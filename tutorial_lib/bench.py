@@ -1,59 +1,17 @@
-"""Timing that survives a noisy laptop: warm up, repeat, take the median.
+"""The course's benchmark: `python -m tutorial_lib.bench` measures every case on this machine.
 
-Compare figures only as ratios measured in the same run (2 devices vs 1, now), never
-against a fixed number of milliseconds.
+Each case measures its variants in one run, on the same devices at the same moment, and
+reports ratios (efficiency, speedup) beside the times: only ratios carry over from one
+machine, or one minute, to the next. The timing tools themselves are in `timing`.
 """
 
 from __future__ import annotations
 
-import statistics
 import time
 
-
-def _block(result):
-    """Wait until TensorFlow has really finished: fetch every tensor in the result."""
-    import tensorflow as tf
-
-    tf.nest.map_structure(lambda t: t.numpy() if hasattr(t, "numpy") else t, result)
-
-
-def _times(fn, args, kwargs, repeats: int, warmup: int) -> list[float]:
-    if repeats < 1 or warmup < 0:
-        raise ValueError(f"need repeats >= 1 and warmup >= 0, got {repeats} and {warmup}.")
-    for _ in range(warmup):
-        _block(fn(*args, **kwargs))
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        _block(fn(*args, **kwargs))
-        times.append(time.perf_counter() - start)
-    return times
-
-
-def median_time(fn, *args, repeats: int = 5, warmup: int = 1, **kwargs) -> float:
-    """Median wall-clock seconds of `fn(*args, **kwargs)` over `repeats` runs after `warmup`."""
-    return statistics.median(_times(fn, args, kwargs, repeats, warmup))
-
-
-def measure(fn, *args, repeats: int = 5, warmup: int = 1, **kwargs):
-    """(median, spread) in seconds; the spread is the interquartile range of the repeats."""
-    times = _times(fn, args, kwargs, repeats, warmup)
-    if len(times) == 1:
-        return times[0], 0.0
-    q1, _, q3 = statistics.quantiles(times, n=4)
-    return statistics.median(times), q3 - q1
-
-
-def cores_used(fn, *args, repeats: int = 50, **kwargs) -> float:
-    """Average number of busy cores while `fn` runs: process CPU time over wall time."""
-    _block(fn(*args, **kwargs))
-    cpu, wall = time.process_time(), time.perf_counter()
-    for _ in range(repeats):
-        _block(fn(*args, **kwargs))
-    return (time.process_time() - cpu) / (time.perf_counter() - wall)
-
-
-# --- the course's benchmark: python -m tutorial_lib.bench -----------------------------
+from .timing import cores_used as cores_used  # re-exported: bench.cores_used keeps working
+from .timing import measure
+from .timing import median_time as median_time  # re-exported: bench.median_time keeps working
 
 
 def _row(case, variant, seconds, spread, **extra):
@@ -106,12 +64,12 @@ def _ring_step(replicas, devs):
     @tf.function
     def step(x, y):
         grads = []
-        for d, net, xs, ys in zip(devs, replicas, tf.split(x, len(devs)), tf.split(y, len(devs))):
+        for d, net, xs, ys in zip(devs, replicas, tf.split(x, len(devs)), tf.split(y, len(devs)), strict=True):
             with tf.device(d):
                 with tf.GradientTape() as tape:
                     loss = models.cross_entropy(net(xs), ys)
                 grads.append(tape.gradient(loss, net.trainable_variables))
-        for net, g in zip(replicas, allreduce.allreduce_grads(grads, method="ring")):
+        for net, g in zip(replicas, allreduce.allreduce_grads(grads, method="ring"), strict=True):
             towers.apply_sgd(net.trainable_variables, g, 0.01)
 
     return step
@@ -265,7 +223,7 @@ def pipeline_vs_naive(devs, width=512, batch=2048, micro_batches=8, repeats=5):
     @tf.function
     def naive(x, y):  # the update keeps the backward pass: unused gradients would be pruned
         loss, grads = pipeline.sequential_gradients(stages, pair, x, y)
-        for v, g in zip(variables, grads):
+        for v, g in zip(variables, grads, strict=True):
             with tf.device(v.device):
                 v.assign_sub(0.0 * g)
         return loss
@@ -281,19 +239,27 @@ def pipeline_vs_naive(devs, width=512, batch=2048, micro_batches=8, repeats=5):
 
 
 def mixed_precision(devs, repeats=10):
-    """float32 against mixed float16, only where a GPU has tensor cores (compute capability >= 7)."""
+    """float32 against mixed float16 on the first device, only where it is a GPU with tensor
+    cores (compute capability >= 7)."""
     import tensorflow as tf
 
     gpus = tf.config.list_physical_devices("GPU")
     capability = tf.config.experimental.get_device_details(gpus[0]).get("compute_capability") if gpus else None
-    if not capability or capability < (7, 0):
+    if "GPU" not in devs[0] or not capability or capability < (7, 0):
         return [{"case": "mixed precision", "variant": "skipped", "ms": None, "spread_ms": None,
                  "reason": "no GPU with tensor cores (compute capability 7.0+); CPUs gain nothing from float16"}]
-    x = tf.random.normal([4096, 4096])
+    @tf.function
+    def matmul(a):
+        with tf.device(devs[0]):
+            return tf.matmul(a, a)
+
+    with tf.device(devs[0]):
+        x = tf.random.normal([4096, 4096])
     rows = []
     for dtype in (tf.float32, tf.float16):
-        a = tf.cast(x, dtype)
-        t, s = measure(tf.function(lambda a: tf.matmul(a, a)), a, repeats=repeats)
+        with tf.device(devs[0]):
+            a = tf.cast(x, dtype)
+        t, s = measure(matmul, a, repeats=repeats)
         rows.append(_row("mixed precision", f"matmul 4096 {dtype.name}", t, s, devices=1,
                          tflops=2 * 4096**3 / t / 1e12))
     return rows
@@ -314,11 +280,15 @@ def format_table(rows) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> int:
+# Cases that need two devices, with the reason printed when they are skipped on one.
+_NEEDS_TWO_DEVICES = {"packing": "an all-reduce needs 2 or more devices",
+                      "allreduce": "an all-reduce needs 2 or more devices",
+                      "pipeline": "a 2-stage pipeline needs 2 devices"}
+
+
+def _parser():
     import argparse
-    import json
     import os
-    import sys
 
     parser = argparse.ArgumentParser(prog="python -m tutorial_lib.bench",
                                      description="Measure the course's cases on this machine's devices.")
@@ -328,20 +298,74 @@ def main(argv=None) -> int:
     parser.add_argument("--batch", type=int, default=256, help="examples per device")
     parser.add_argument("--repeats", type=int, default=15, help="timed runs per figure (median reported)")
     parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated subset of {','.join(CASES)}")
-    parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON to PATH")
+    parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON to the file PATH")
+    return parser
+
+
+def _parse(argv):
+    """(options, cases), all checked before anything is measured: a typo must not cost a long run."""
+    parser = _parser()
     args = parser.parse_args(argv)
     if args.devices < 1:
         parser.error(f"--devices must be >= 1, got {args.devices}")
     if args.hidden < 1 or args.batch < 1 or args.repeats < 1:
         parser.error("--hidden, --batch and --repeats must be >= 1")
-    cases = [c.strip() for c in args.cases.split(",") if c.strip()]
+    cases = _selected_cases(parser, args.cases)
+    if args.json:
+        _check_json_path(parser, args.json)
+    return args, cases
+
+
+def _selected_cases(parser, text: str) -> list[str]:
+    cases = list(dict.fromkeys(c.strip() for c in text.split(",") if c.strip()))  # each once, in order
+    if not cases:
+        parser.error(f"--cases {text!r} names no case; give one or more of {','.join(CASES)}, "
+                     "separated by commas")
     unknown = sorted(set(cases) - set(CASES))
     if unknown:
         parser.error(f"unknown case(s) {unknown}; choose from {','.join(CASES)}")
-    if args.json:
-        folder = os.path.dirname(os.path.abspath(args.json))
-        if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
-            parser.error(f"cannot write --json {args.json}: {folder} is not a writable folder")
+    return cases
+
+
+def _check_json_path(parser, path: str) -> None:
+    import os
+
+    if os.path.isdir(path):
+        parser.error(f"--json {path} is a folder; give a file name in it, such as {os.path.join(path, 'bench.json')}")
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+        parser.error(f"cannot write --json {path}: {folder} is not a writable folder")
+
+
+def _case_options(args) -> dict[str, dict]:
+    hidden = (args.hidden, args.hidden)
+    return {"weak": dict(hidden=hidden, per_device=args.batch, repeats=args.repeats),
+            "strong": dict(hidden=hidden, global_batch=args.batch * args.devices, repeats=args.repeats),
+            "packing": dict(repeats=args.repeats), "allreduce": dict(repeats=args.repeats),
+            "input": dict(batch=args.batch), "pipeline": {}, "mixed": {}}
+
+
+def _run_cases(cases, devs, options) -> list[dict]:
+    """Every case in turn, with its progress printed as it goes (a case can take minutes)."""
+    rows = []
+    for name in cases:
+        if name in _NEEDS_TWO_DEVICES and len(devs) < 2:
+            print(f"[{name}] skipped: {_NEEDS_TWO_DEVICES[name]}", flush=True)
+            continue
+        start = time.perf_counter()
+        print(f"[{name}] running ...", flush=True)
+        new = CASES[name](devs, **options[name])
+        print(f"[{name}] {len(new)} figures in {time.perf_counter() - start:.1f} s", flush=True)
+        rows += new
+    return rows
+
+
+def main(argv=None) -> int:
+    import json
+    import os
+    import sys
+
+    args, cases = _parse(argv)
     cores = os.cpu_count() or 1
     if args.devices > cores:
         print(f"warning: {args.devices} simulated devices on {cores} cores: at most {cores} run at once, so "
@@ -350,24 +374,7 @@ def main(argv=None) -> int:
     from . import devices
 
     devs = devices.simulate(args.devices)
-    options = {"weak": dict(hidden=(args.hidden, args.hidden), per_device=args.batch, repeats=args.repeats),
-               "strong": dict(hidden=(args.hidden, args.hidden), global_batch=args.batch * args.devices,
-                              repeats=args.repeats),
-               "packing": dict(repeats=args.repeats), "allreduce": dict(repeats=args.repeats),
-               "input": dict(batch=args.batch), "pipeline": {}, "mixed": {}}
-    rows = []
-    for name in cases:
-        if name in ("packing", "allreduce") and len(devs) < 2:
-            print(f"[{name}] skipped: an all-reduce needs 2 or more devices", flush=True)
-            continue
-        if name == "pipeline" and len(devs) < 2:
-            print("[pipeline] skipped: a 2-stage pipeline needs 2 devices", flush=True)
-            continue
-        start = time.perf_counter()
-        print(f"[{name}] running ...", flush=True)
-        new = CASES[name](devs, **options[name])
-        print(f"[{name}] {len(new)} figures in {time.perf_counter() - start:.1f} s", flush=True)
-        rows += new
+    rows = _run_cases(cases, devs, _case_options(args))
     print(format_table(rows))
     if args.json:
         with open(args.json, "w") as f:

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from . import checks
+
 
 @dataclass(frozen=True)
 class AlphaBeta:
@@ -51,33 +53,37 @@ GPU_CLUSTER = Hardware("GPU nodes on 100 Gb/s InfiniBand (12.5 GB/s, 20 us per m
                        flops=100e12, link=AlphaBeta(alpha=20e-6, beta=1 / 12.5e9))
 
 
-def _check(n: int) -> None:
-    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
-        raise ValueError(f"the number of devices must be a whole number >= 1, got {n!r}.")
+# Each all-reduce over n devices as (messages sent one after another, bytes through the
+# busiest link per byte of the tensor): t = messages x alpha + per_byte x S x beta.
+_ALGORITHMS = {
+    "ring": lambda n: (2 * (n - 1), 2 * (n - 1) / n),
+    "central": lambda n: (2 * (n - 1), 2 * (n - 1)),
+}
+ALGORITHMS = tuple(_ALGORITHMS)
+
+
+def _coefficients(n: int, algorithm: str) -> tuple[float, float]:
+    """(messages, per_byte) of `algorithm` over `n` devices, or a clear error."""
+    if algorithm not in _ALGORITHMS:
+        raise ValueError(f"algorithm must be {' or '.join(map(repr, ALGORITHMS))}, got {algorithm!r}.")
+    return _ALGORITHMS[algorithm](checks.whole_number(n, "n (the number of devices)"))
 
 
 def allreduce_time(num_bytes: float, n: int, link: AlphaBeta, algorithm: str = "ring") -> float:
-    """Predicted seconds of one all-reduce of `num_bytes` over `n` devices."""
-    _check(n)
-    if n == 1:
-        return 0.0
-    if algorithm == "ring":
-        return 2 * (n - 1) * link.alpha + 2 * (n - 1) / n * num_bytes * link.beta
-    if algorithm == "central":
-        return 2 * (n - 1) * (link.alpha + num_bytes * link.beta)
-    raise ValueError(f"algorithm must be 'ring' or 'central', got {algorithm!r}.")
+    """Predicted seconds of one all-reduce of `num_bytes` over `n` devices (0 on one device)."""
+    messages, per_byte = _coefficients(n, algorithm)
+    return messages * link.alpha + per_byte * num_bytes * link.beta
 
 
 def fit_alpha_beta(num_bytes, seconds, n: int, algorithm: str = "ring") -> AlphaBeta:
     """Least-squares alpha and beta from all-reduce times measured at several sizes."""
-    _check(n)
+    messages, per_byte = _coefficients(n, algorithm)
     if n < 2:
         raise ValueError("an all-reduce over one device moves nothing; measure with n >= 2.")
+    checks.same_length("sizes", num_bytes, "times", seconds)
     num_bytes, seconds = np.asarray(num_bytes, float), np.asarray(seconds, float)
-    if len(num_bytes) < 2 or len(np.unique(num_bytes)) < 2:
+    if len(np.unique(num_bytes)) < 2:
         raise ValueError("fitting alpha and beta needs times at two or more different sizes.")
-    messages = 2 * (n - 1)
-    per_byte = 2 * (n - 1) / n if algorithm == "ring" else 2 * (n - 1)
     design = np.stack([np.full_like(num_bytes, messages), per_byte * num_bytes], axis=1)
     (alpha, beta), *_ = np.linalg.lstsq(design, seconds, rcond=None)
     return AlphaBeta(max(float(alpha), 0.0), max(float(beta), 0.0))
@@ -85,7 +91,8 @@ def fit_alpha_beta(num_bytes, seconds, n: int, algorithm: str = "ring") -> Alpha
 
 def fit_compute(batch_sizes, seconds) -> Compute:
     """Seconds per example and fixed seconds per step, from one-device step times."""
-    if len(set(batch_sizes)) < 2 or len(batch_sizes) != len(seconds):
+    checks.same_length("batch sizes", batch_sizes, "times", seconds)
+    if len(set(batch_sizes)) < 2:
         raise ValueError("fitting compute needs one time per batch size, at two or more different sizes.")
     slope, intercept = np.polyfit(np.asarray(batch_sizes, float), np.asarray(seconds, float), 1)
     return Compute(max(float(slope), 0.0), max(float(intercept), 0.0))
@@ -107,7 +114,7 @@ def weak_scaling_efficiency(compute: Compute, per_device_batch: int, n: int, gra
 def predict_pipeline(stage_seconds: float, stages: int, micro_batches: int, tick_overhead: float = 0.0) -> float:
     """Seconds of a GPipe step: M+S-1 forward ticks and as many backward ticks, each stage
     taking `stage_seconds` per micro-batch (forward and backward together)."""
-    _check(stages)
-    _check(micro_batches)
+    checks.whole_number(stages, "stages")
+    checks.whole_number(micro_batches, "micro_batches")
     ticks = micro_batches + stages - 1
     return ticks * stage_seconds + 2 * ticks * tick_overhead

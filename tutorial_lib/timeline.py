@@ -14,19 +14,27 @@ not the timeline, says how many really ran in parallel (notebook 00 measures bot
 from __future__ import annotations
 
 import glob
+import re
 import tempfile
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import tensorflow as tf
 
+from . import checks
 from .devices import normalize
 
 # Bookkeeping ops that move or name data but do no work worth drawing.
 _SKIP_TYPES = {"_Send", "_Recv", "_HostSend", "_HostRecv", "NoOp", "Const", "_Arg", "_Retval"}
 PHASE_COLORS = {"forward": "tab:blue", "backward": "tab:orange", "reduce": "tab:purple",
                 "update": "tab:green", "other": "tab:gray"}
-# Name scopes that mark gradient communication (averaging, all-reduce) in the course's code.
-_REDUCE_SCOPES = ("average", "allreduce", "all_reduce", "ring", "nccl")
+# Name scopes that mark gradient communication (averaging, all-reduce): towers.average_gradients,
+# allreduce's reducers (and the notebooks' copies), and common names for the same work.
+_REDUCE_SCOPES = ("average_gradients", "central_all_reduce", "ring_all_reduce", "nccl_all_reduce",
+                 "all_reduce", "allreduce")
+# A whole component of an op's name: `tower_0/ring_all_reduce_1/add` matches (TensorFlow adds
+# _1, _2, ... to a scope opened twice), `tower_0/ToString` or `moving_average/AssignSub` do not.
+_REDUCE_SCOPE = re.compile(f"({'|'.join(_REDUCE_SCOPES)})(_[0-9]+)?")
 
 
 @dataclass(frozen=True)
@@ -41,7 +49,7 @@ class Event:
     def phase(self) -> str:
         """forward, backward (built by GradientTape), reduce (averaging or all-reduce of
         gradients, by name scope), update (variable writes) or other (reads, copies)."""
-        if any(scope in self.op.lower() for scope in _REDUCE_SCOPES) or "Collective" in self.type:
+        if "Collective" in self.type or any(_REDUCE_SCOPE.fullmatch(part) for part in self.op.split("/")):
             return "reduce"
         if "gradient_tape" in self.op or "backward" in self.op or "Grad" in self.type:
             return "backward"
@@ -78,10 +86,9 @@ def trace(fn, *args, steps: int = 1, placement_of=None, **kwargs) -> list[Event]
     runs as it is when `placement_of` lists their concrete functions (or is a callable
     that returns them after the warm-up); their graphs then say where each op ran.
     """
-    if steps < 1:
-        raise ValueError(f"steps must be >= 1, got {steps}.")
+    steps = checks.whole_number(steps, "steps")
     f = fn if placement_of is not None else _as_function(fn)
-    result = f(*args, **kwargs)  # warm-up, not traced
+    _fetch(f(*args, **kwargs))  # warm-up, not traced
     where = {}
     if placement_of is not None:
         functions = placement_of() if callable(placement_of) else placement_of  # after the warm-up
@@ -90,7 +97,15 @@ def trace(fn, *args, steps: int = 1, placement_of=None, **kwargs) -> list[Event]
         rows = placement(f, *args, **kwargs)
     for name, _, device in rows:
         where.setdefault(name, device)
-    logdir = tempfile.mkdtemp(prefix="tutorial_trace_")
+    # The trace files are read here and then deleted, even when fn raises: a class that traces
+    # all day must not fill the temporary folder.
+    with tempfile.TemporaryDirectory(prefix="tutorial_trace_") as logdir:
+        _profile(f, args, kwargs, steps, logdir)
+        return _read_events(logdir, where)
+
+
+def _profile(f, args, kwargs, steps: int, logdir: str) -> None:
+    """Run `f` `steps` times under the profiler, which writes its trace into `logdir`."""
     options = tf.profiler.experimental.ProfilerOptions(
         host_tracer_level=2, python_tracer_level=0, device_tracer_level=1
     )
@@ -98,10 +113,14 @@ def trace(fn, *args, steps: int = 1, placement_of=None, **kwargs) -> list[Event]
     try:
         for _ in range(steps):
             result = f(*args, **kwargs)
-        tf.nest.map_structure(lambda t: t.numpy() if hasattr(t, "numpy") else t, result)
+        _fetch(result)
     finally:
         tf.profiler.experimental.stop()
-    return _read_events(logdir, where)
+
+
+def _fetch(result) -> None:
+    """Wait until every tensor of `result` is computed."""
+    tf.nest.map_structure(lambda t: t.numpy() if hasattr(t, "numpy") else t, result)
 
 
 def _as_function(fn):
@@ -113,33 +132,51 @@ def _default_device() -> str:
     return normalize(gpus[0].name) if gpus else "/device:CPU:0"
 
 
-def _read_events(logdir: str, where: dict[str, str]) -> list[Event]:
-    from tensorflow.tsl.profiler.protobuf import xplane_pb2
+class _Raw(NamedTuple):
+    """One op execution as the profiler recorded it, before the times are made relative."""
 
-    raw = []  # (device, op, type, start_ps, end_ps, from_device_plane)
-    for path in glob.glob(f"{logdir}/**/*.xplane.pb", recursive=True):
-        space = xplane_pb2.XSpace()
-        with open(path, "rb") as f:
-            space.ParseFromString(f.read())
-        for plane in space.planes:
-            on_gpu = plane.name.startswith("/device:GPU")
-            for line in plane.lines:
-                t0 = line.timestamp_ns * 1000
-                for e in line.events:
-                    label = _op_label(plane, e) if on_gpu else plane.event_metadata[e.metadata_id].name
-                    op, _, op_type = label.rpartition(":")
-                    device = _lookup(where, op)
-                    if device and op_type not in _SKIP_TYPES:
-                        start = t0 + e.offset_ps
-                        raw.append((device, op, op_type, start, start + e.duration_ps, on_gpu))
+    device: str
+    op: str
+    type: str
+    start_ps: int
+    end_ps: int
+    on_gpu_plane: bool
+
+
+def _read_events(logdir: str, where: dict[str, str]) -> list[Event]:
+    raw = [r for path in glob.glob(f"{logdir}/**/*.xplane.pb", recursive=True)
+           for plane in _load_space(path).planes for r in _plane_events(plane, where)]
     # On GPUs the host plane only shows kernel launches; keep the GPU plane's kernels.
-    gpu_timed = any(r[5] for r in raw)
-    raw = [r for r in raw if r[5] or not (gpu_timed and "GPU" in r[0])]
+    gpu_timed = any(r.on_gpu_plane for r in raw)
+    raw = [r for r in raw if r.on_gpu_plane or not (gpu_timed and "GPU" in r.device)]
     if not raw:
         return []
-    zero = min(r[3] for r in raw)
-    events = [Event(d, op, t, (s - zero) / 1e9, (e - zero) / 1e9) for d, op, t, s, e, _ in raw]
+    zero = min(r.start_ps for r in raw)
+    events = [Event(r.device, r.op, r.type, (r.start_ps - zero) / 1e9, (r.end_ps - zero) / 1e9) for r in raw]
     return sorted(events, key=lambda ev: (ev.start, ev.device))
+
+
+def _load_space(path: str):
+    from tensorflow.tsl.profiler.protobuf import xplane_pb2
+
+    space = xplane_pb2.XSpace()
+    with open(path, "rb") as f:
+        space.ParseFromString(f.read())
+    return space
+
+
+def _plane_events(plane, where: dict[str, str]):
+    """The ops of one profiler plane (a host's threads, or a GPU) that ran on a known device."""
+    on_gpu = plane.name.startswith("/device:GPU")
+    for line in plane.lines:
+        t0 = line.timestamp_ns * 1000
+        for e in line.events:
+            label = _op_label(plane, e) if on_gpu else plane.event_metadata[e.metadata_id].name
+            op, _, op_type = label.rpartition(":")
+            device = _lookup(where, op)
+            if device and op_type not in _SKIP_TYPES:
+                start = t0 + e.offset_ps
+                yield _Raw(device, op, op_type, start, start + e.duration_ps, on_gpu)
 
 
 def _op_label(plane, event) -> str:
