@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from tutorial_lib import bench, timing
+from tutorial_lib import timing
 
 
 class FakeClocks:
@@ -94,7 +94,3 @@ def test_busy_python_uses_more_cpu_per_wall_second_than_sleeping():
 
     assert timing.cores_used(spin, repeats=20) > timing.cores_used(time.sleep, 0.005, repeats=20)
 
-
-def test_bench_still_offers_the_timing_tools():
-    assert (bench.median_time, bench.measure, bench.cores_used) == (
-        timing.median_time, timing.measure, timing.cores_used)

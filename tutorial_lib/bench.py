@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import time
 
-from .timing import cores_used as cores_used  # re-exported: bench.cores_used keeps working
 from .timing import measure
-from .timing import median_time as median_time  # re-exported: bench.median_time keeps working
 
 
 def _row(case, variant, seconds, spread, **extra):
