@@ -43,7 +43,7 @@ def test_load_mnist_goes_through_the_keras_loader(tmp_path, monkeypatch):
     np.savez(path, **arrays)
     asked = {}
 
-    def fake_get_file(fname, origin, file_hash):  # stands in for the download and cache
+    def fake_get_file(fname, origin, **_):  # stands in for the download and cache
         asked.update(fname=fname, origin=origin)
         return str(path)
 
@@ -56,7 +56,7 @@ def test_load_mnist_goes_through_the_keras_loader(tmp_path, monkeypatch):
     assert y_train.dtype == np.int32
 
 
-def test_make_dataset_batches_evenly(devs):
+def test_make_dataset_batches_evenly():
     x = np.arange(10, dtype=np.float32)
     y = np.arange(10, dtype=np.int32)
     batches = list(data.make_dataset(x, y, batch_size=4, shuffle=False))

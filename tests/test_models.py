@@ -5,7 +5,7 @@ import tensorflow as tf
 from tutorial_lib import models
 
 
-def test_mlp_shapes_and_seeded_initialisation(devs):
+def test_mlp_shapes_and_seeded_initialisation():
     x = tf.random.stateless_uniform([5, 8, 8, 1], seed=[1, 2])
     a, b, c = models.MLP(seed=0), models.MLP(seed=0), models.MLP(seed=1)
     assert a(x).shape == (5, 10)
@@ -14,7 +14,7 @@ def test_mlp_shapes_and_seeded_initialisation(devs):
     assert [v.shape.as_list() for v in a.trainable_variables] == [[64, 128], [128], [128, 10], [10]]
 
 
-def test_mlp_logits_are_not_clipped_by_relu(devs):
+def test_mlp_logits_are_not_clipped_by_relu():
     # The seed applied ReLU to its logits, which zeroes every negative score.
     logits = models.MLP(seed=0)(tf.random.stateless_normal([64, 8, 8, 1], seed=[3, 4]))
     assert tf.reduce_min(logits) < 0
@@ -28,11 +28,11 @@ def test_cnn_stages_chain_and_live_on_their_devices(devs):
         h = stage(h)
         shapes.append(h.shape.as_list())
     assert shapes == [[2, 4, 4, 64], [2, 1, 1, 64], [2, 10]]
-    for stage, device in zip(stages, devs[:3]):
+    for stage, device in zip(stages, devs[:3], strict=True):
         assert {v.device.split("/")[-1] for v in stage.trainable_variables} == {device.split("/")[-1]}
 
 
-def test_cnn_adapts_to_mnist_sized_images(devs):
+def test_cnn_adapts_to_mnist_sized_images():
     stages = models.cnn_stages(input_shape=(28, 28, 1))
     h = tf.zeros([1, 28, 28, 1])
     for stage in stages:
@@ -47,7 +47,7 @@ def test_cnn_errors(devs):
         models.cnn_stages(input_shape=(4, 4, 1))
 
 
-def test_cross_entropy_and_accuracy_match_keras(devs):
+def test_cross_entropy_and_accuracy_match_keras():
     logits = tf.constant([[2.0, 0.5, -1.0], [0.1, 0.2, 3.0], [1.0, 1.5, 0.0]])
     labels = tf.constant([0, 2, 0])
     expected = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)(labels, logits)

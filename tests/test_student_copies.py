@@ -16,7 +16,7 @@ def test_student_copies_hide_solutions_and_outputs(tmp_path):
         source = json.loads(original.read_text())
         copy = json.loads((tmp_path / original.name).read_text())
         assert len(copy["cells"]) == len(source["cells"])
-        for before, after in zip(source["cells"], copy["cells"]):
+        for before, after in zip(source["cells"], copy["cells"], strict=True):
             if after["cell_type"] != "code":
                 assert after["source"] == before["source"]
                 continue

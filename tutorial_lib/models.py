@@ -94,7 +94,7 @@ class MLP(Sequential):
     def __init__(self, in_features: int = 64, hidden=(128,), num_classes: int = 10, seed: int = 0):
         sizes = [in_features, *hidden, num_classes]
         layers = [Flatten()]
-        for i, (n_in, n_out) in enumerate(zip(sizes[:-1], sizes[1:])):
+        for i, (n_in, n_out) in enumerate(zip(sizes[:-1], sizes[1:], strict=True)):
             last = i == len(sizes) - 2
             layers.append(Dense(n_in, n_out, relu=not last, seed=seed + i, name=f"dense{i}"))
         super().__init__(layers, name="mlp")

@@ -152,7 +152,7 @@ class Pipeline:
         mb = x.shape[0] // M
         inputs = [tf.TensorShape([mb, *x.shape[1:]])]  # input shape of each stage, found by a dry run
         h = tf.zeros(inputs[0], x.dtype)
-        for s, (stage, device) in enumerate(zip(self.stages, self.devices)):
+        for s, (stage, device) in enumerate(zip(self.stages, self.devices, strict=True)):
             try:
                 with tf.device(device):
                     h = stage(h)
@@ -168,7 +168,7 @@ class Pipeline:
         self.stash = [Buffer(f"stash{s}", self.devices[s], tf.float32, inputs[s], M) for s in range(S)]
         self.label_stash = Buffer("label_stash", self.devices[-1], y.dtype, [mb], M)
         self.accumulators = []
-        for stage, device in zip(self.stages, self.devices):
+        for stage, device in zip(self.stages, self.devices, strict=True):
             with tf.device(device):
                 self.accumulators.append([tf.Variable(tf.zeros_like(v), trainable=False)
                                           for v in stage.trainable_variables])
@@ -196,72 +196,91 @@ class Pipeline:
         # Gets first, puts last. tf.function keeps stateful ops such as these in program
         # order, and a put waits for its stage's compute: a get written after another
         # stage's put would make the two stages of this tick run one after the other.
-        got = {}
+        got = self._tick_gets(forward, backward, fused)
+        puts, accumulate = self._tick_forwards(forward, got, fused)
+        for s in sorted(backward):
+            self._tick_backward(s, got, fused, puts, accumulate)
+        for buffer, value in puts:
+            buffer.put_op(value)
+        for s, grads, loss in accumulate:
+            with tf.device(self.devices[s]), tf.name_scope(f"stage{s}/backward/accumulate"):
+                if grads is not None:  # None: the last stage's loss, before its backward
+                    for acc, g in zip(self.accumulators[s], grads, strict=True):
+                        acc.assign_add(g)
+                if loss is not None:
+                    self.loss_sum.assign_add(loss)
+
+    def _tick_gets(self, forward, backward, fused) -> dict:
+        """Every get of a tick: inputs of the forwards, stashes and gradients of the backwards."""
+        last, got = len(self.stages) - 1, {}
         for s in sorted(forward):
             got["in", s] = (self.x_buffer if s == 0 else self.forward[s - 1]).get_op()
             if s == last:
                 got["labels"] = self.y_buffer.get_op()
         for s in sorted(backward):
-            if s == last and fused:
+            if s == last and fused:  # the forward of this very tick is the stash
                 got["stash", s], got["stash labels"], got["grad", s] = got["in", s], got["labels"], None
                 continue
             got["grad", s] = None if s == last else self.backward[s].get_op()
             got["stash", s] = self.stash[s].get_op()
             if s == last:
                 got["stash labels"] = self.label_stash.get_op()
-        puts, accumulate = [], []
+        return got
+
+    def _tick_forwards(self, forward, got, fused):
+        """The forwards of a tick; returns the puts they make and the losses to accumulate."""
+        last, puts, accumulate = len(self.stages) - 1, [], []
         for s in sorted(forward):
             if s == last and fused:
-                continue
+                continue  # its backward computes the forward too
             h = got["in", s]
             with tf.device(self.devices[s]), tf.name_scope(f"stage{s}"):
                 out = self.stages[s](h)
                 if s == last:
-                    accumulate.append((s, [], self.loss_fn(out, got["labels"])))
+                    accumulate.append((s, None, self.loss_fn(out, got["labels"])))  # a loss, no gradients yet
                     puts.append((self.label_stash, got["labels"]))
                 else:
                     puts.append((self.forward[s], out))
             puts.append((self.stash[s], h))
+        return puts, accumulate
+
+    def _tick_backward(self, s, got, fused, puts, accumulate) -> None:
+        """Stage s's backward: recompute its forward from the stash, then its gradients."""
+        last, h, loss = len(self.stages) - 1, got["stash", s], None
+        with tf.device(self.devices[s]), tf.name_scope(f"stage{s}/backward"):
+            with tf.GradientTape() as tape:  # recompute the forward pass from the stashed input
+                tape.watch(h)
+                out = self.stages[s](h)
+                if s == last:
+                    out = loss = self.loss_fn(out, got["stash labels"])
+            grads = tape.gradient(out, [h, *self.stages[s].trainable_variables], output_gradients=got["grad", s])
+        accumulate.append((s, grads[1:], loss if fused and s == last else None))
+        if s > 0:
+            puts.append((self.backward[s - 1], grads[0]))
+
+    def _buffers_of_tick(self, forward, backward):
+        """(buffers the tick gets from, buffers it puts into), in the order of `_tick_graph`."""
+        last = len(self.stages) - 1
+        fused = last in forward and last in backward
+        gets, puts = [], []
+        for s in sorted(forward):
+            gets += [self.x_buffer if s == 0 else self.forward[s - 1]] + ([self.y_buffer] if s == last else [])
+            if not (s == last and fused):
+                puts += [self.stash[s], self.label_stash] if s == last else [self.forward[s], self.stash[s]]
         for s in sorted(backward):
-            h = got["stash", s]
-            with tf.device(self.devices[s]), tf.name_scope(f"stage{s}/backward"):
-                with tf.GradientTape() as tape:  # recompute the forward pass from the stashed input
-                    tape.watch(h)
-                    out = self.stages[s](h)
-                    if s == last:
-                        out = loss = self.loss_fn(out, got["stash labels"])
-                grads = tape.gradient(out, [h, *self.stages[s].trainable_variables], output_gradients=got["grad", s])
-            accumulate.append((s, grads[1:], loss if fused and s == last else None))
+            if not (s == last and fused):
+                gets += [self.stash[s], self.label_stash] if s == last else [self.backward[s], self.stash[s]]
             if s > 0:
-                puts.append((self.backward[s - 1], grads[0]))
-        for buffer, value in puts:
-            buffer.put_op(value)
-        for s, grads, loss in accumulate:
-            with tf.device(self.devices[s]), tf.name_scope(f"stage{s}/backward/accumulate"):
-                for acc, g in zip(self.accumulators[s], grads):
-                    acc.assign_add(g)
-                if loss is not None:
-                    self.loss_sum.assign_add(loss)
+                puts.append(self.backward[s - 1])
+        return gets, puts
 
     def _run_tick(self, forward, backward) -> None:
         """Check that every get finds an item and every put finds room, then run the tick."""
-        last = len(self.stages) - 1
-        fused = last in forward and last in backward
-        for s in sorted(forward):
-            (self.x_buffer if s == 0 else self.forward[s - 1]).will_get()
-            if s == last:
-                self.y_buffer.will_get()
-        for s in sorted(backward):
-            if not (s == last and fused):
-                for buffer in ([self.stash[s], self.label_stash] if s == last else [self.backward[s], self.stash[s]]):
-                    buffer.will_get()
-        for s in sorted(forward):
-            if not (s == last and fused):
-                for buffer in ([self.stash[s], self.label_stash] if s == last else [self.forward[s], self.stash[s]]):
-                    buffer.will_put()
-        for s in sorted(backward):
-            if s > 0:
-                self.backward[s - 1].will_put()
+        gets, puts = self._buffers_of_tick(forward, backward)
+        for buffer in gets:
+            buffer.will_get()
+        for buffer in puts:
+            buffer.will_put()
         self._function(("tick", forward, backward), lambda: self._tick_graph(forward, backward))()
 
     def _stage_inputs(self, x, y) -> None:
@@ -269,7 +288,7 @@ class Pipeline:
         M = self.micro_batches
 
         def put_all(x, y):
-            for xm, ym in zip(tf.split(x, M), tf.split(y, M)):
+            for xm, ym in zip(tf.split(x, M), tf.split(y, M), strict=True):
                 self.x_buffer.put_op(xm)
                 self.y_buffer.put_op(ym)
 
@@ -309,9 +328,9 @@ class Pipeline:
 
         def finish():
             grads = []
-            for stage, accs, device in zip(self.stages, self.accumulators, self.devices):
+            for stage, accs, device in zip(self.stages, self.accumulators, self.devices, strict=True):
                 with tf.device(device), tf.name_scope("update"):
-                    for v, acc in zip(stage.trainable_variables, accs):
+                    for v, acc in zip(stage.trainable_variables, accs, strict=True):
                         g = acc / M
                         if apply:
                             v.assign_sub(lr * g)
@@ -347,7 +366,7 @@ def sequential_gradients(stages, devices, x, y, loss_fn=models.cross_entropy):
     gradients computed on its own device (notebook 01). Returns (loss, gradients)."""
     tapes, inputs, outputs = [], [], []
     h = x
-    for s, (stage, device) in enumerate(zip(stages, devices)):
+    for s, (stage, device) in enumerate(zip(stages, devices, strict=True)):
         with tf.device(device), tf.GradientTape() as tape:
             tape.watch(h)
             inputs.append(h)
