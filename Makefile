@@ -42,7 +42,7 @@ ifneq ($(filter command line environment,$(origin PYTHON)),)
 		if [ "$$want" != "$$have" ]; then \
 			echo "make: $(VENV) runs Python $$have but PYTHON=$(PYTHON) is Python $$want." >&2; \
 			echo "  To rebuild $(VENV) with it: make clean, then make PYTHON=$(PYTHON) $(or $(MAKECMDGOALS),install)" >&2; \
-			echo "  To keep $(VENV) as it is: leave PYTHON out." >&2; \
+			echo "  To keep $(VENV) as it is: leave PYTHON out$(if $(filter environment,$(origin PYTHON)), (it is set in your environment: unset PYTHON))." >&2; \
 			exit 1; \
 		fi; \
 	fi
