@@ -2,6 +2,9 @@
 # Both create .venv on first use and reinstall only when pyproject.toml changes.
 
 PYTHON ?= python3
+# The Pythons TensorFlow publishes stable wheels for; pyproject's requires-python agrees (tested).
+PY_OLDEST := 3.10
+PY_NEWEST := 3.13
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
@@ -9,17 +12,41 @@ STAMP := $(VENV)/.installed
 RUN_ENV := TUTORIAL_DEVICE=cpu TF_CPP_MIN_LOG_LEVEL=3 PYTHONHASHSEED=0
 NOTEBOOKS := $(sort $(wildcard notebooks/*.ipynb))
 
-.PHONY: install lab test unit notebooks bench student clean
+.PHONY: install lab test unit notebooks bench student clean check-python
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml
-	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 10) else \
-		"Python 3.10 or newer is needed; run make PYTHON=python3.x")'
+# Exits with a message unless the Python running it is PY_OLDEST..PY_NEWEST (given as arguments).
+PY_IN_RANGE := import sys; v = sys.version_info[:2]; \
+	lo, hi = (tuple(map(int, a.split("."))) for a in sys.argv[1:]); \
+	sys.exit(None if lo <= v <= hi else f"Python {v[0]}.{v[1]} cannot run the course: TensorFlow has \
+	stable wheels for Python {sys.argv[1]} to {sys.argv[2]}. Run make PYTHON=python{sys.argv[2]} (or \
+	another Python in that range).")
+PY_VERSION := import sys; print("%d.%d" % sys.version_info[:2])
+
+$(STAMP): pyproject.toml | check-python
+	@$(PYTHON) -c '$(PY_IN_RANGE)' $(PY_OLDEST) $(PY_NEWEST)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e ".[lab,test]"
 	touch $(STAMP)
+
+# An existing .venv keeps the Python it was made with. When PYTHON is given (on the command
+# line or in the environment) and names another version, stop and say how to rebuild, rather
+# than silently run the old one. Without PYTHON nothing is checked, so `make test` stays fast.
+check-python:
+ifneq ($(filter command line environment,$(origin PYTHON)),)
+	@want=$$($(PYTHON) -c '$(PY_VERSION)') || { echo "make: PYTHON=$(PYTHON) does not run" >&2; exit 1; }; \
+	if [ -e $(BIN)/python ]; then \
+		have=$$($(BIN)/python -c '$(PY_VERSION)' 2>/dev/null || echo "a broken interpreter"); \
+		if [ "$$want" != "$$have" ]; then \
+			echo "make: $(VENV) runs Python $$have but PYTHON=$(PYTHON) is Python $$want." >&2; \
+			echo "  To rebuild $(VENV) with it: make clean, then make PYTHON=$(PYTHON) $(or $(MAKECMDGOALS),install)" >&2; \
+			echo "  To keep $(VENV) as it is: leave PYTHON out$(if $(filter environment,$(origin PYTHON)), (it is set in your environment: unset PYTHON))." >&2; \
+			exit 1; \
+		fi; \
+	fi
+endif
 
 # JupyterLab refuses to run as root (containers, CI) unless told to.
 ALLOW_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root)
@@ -35,10 +62,12 @@ test: $(STAMP)
 unit: $(STAMP)
 	$(BIN)/python -m pytest tests $(PYTEST_ARGS)
 
-# Re-run every notebook in place under the test settings, so stored outputs come from a real run.
+# Re-run every notebook in place under the test settings, so stored outputs come from a real run,
+# then drop TensorFlow's start-up log lines and local paths from them (tools/clean_notebooks.py).
 notebooks: $(STAMP)
 	$(RUN_ENV) $(BIN)/jupyter nbconvert --to notebook --execute --inplace \
 		--ExecutePreprocessor.record_timing=False --ExecutePreprocessor.timeout=600 $(NOTEBOOKS)
+	$(BIN)/python tools/clean_notebooks.py $(NOTEBOOKS)
 
 # The course's benchmark on this machine: a table, and JSON with BENCH_ARGS="--json bench.json".
 bench: $(STAMP)
