@@ -106,10 +106,9 @@ def trace(fn, *args, steps: int = 1, placement_of=None, **kwargs) -> list[Event]
 
 def _profile(f, args, kwargs, steps: int, logdir: str) -> None:
     """Run `f` `steps` times under the profiler, which writes its trace into `logdir`."""
-    options = tf.profiler.experimental.ProfilerOptions(
-        host_tracer_level=2, python_tracer_level=0, device_tracer_level=1
-    )
-    tf.profiler.experimental.start(logdir, options=options)
+    # Default options: the host tracer at level 2 (TensorFlow ops) and the device tracer.
+    # TensorFlow 2.21 ignores explicit ProfilerOptions and warns four times per trace.
+    tf.profiler.experimental.start(logdir)
     try:
         for _ in range(steps):
             result = f(*args, **kwargs)
