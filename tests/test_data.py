@@ -71,5 +71,17 @@ def test_make_dataset_rejects_impossible_batches():
     x = np.zeros(3, np.float32)
     with pytest.raises(ValueError, match="larger than the 3 examples"):
         data.make_dataset(x, x, batch_size=8)
-    with pytest.raises(ValueError, match="batch_size must be >= 1"):
+    with pytest.raises(ValueError, match="batch_size must be a whole number >= 1"):
         data.make_dataset(x, x, batch_size=0)
+
+
+@pytest.mark.parametrize("batch_size", [0, 2.5, True])
+def test_make_dataset_refuses_a_batch_size_that_is_not_a_whole_number(batch_size):
+    x, y = np.zeros((8, 2), np.float32), np.zeros(8, np.int32)
+    with pytest.raises(ValueError, match="batch_size must be a whole number >= 1"):
+        data.make_dataset(x, y, batch_size=batch_size)
+
+
+def test_make_dataset_takes_a_numpy_batch_size():
+    x, y = np.zeros((8, 2), np.float32), np.zeros(8, np.int32)
+    assert len(list(data.make_dataset(x, y, batch_size=np.int64(4), shuffle=False))) == 2

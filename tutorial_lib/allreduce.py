@@ -227,8 +227,7 @@ def buckets(tensors, max_bytes: int) -> list[list[int]]:
     A tensor larger than `max_bytes` gets a bucket of its own, and a tensor whose dtype
     differs from the one before it starts a new bucket: a packed vector has a single dtype.
     """
-    if max_bytes < 1:
-        raise ValueError(f"max_bytes must be >= 1, got {max_bytes}.")
+    max_bytes = checks.whole_number(max_bytes, "max_bytes")
     groups, size = [], 0
     for i, t in enumerate(tensors):
         nbytes = t.shape.num_elements() * t.dtype.size

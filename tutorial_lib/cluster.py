@@ -43,8 +43,7 @@ class ClusterError(RuntimeError):
 
 def free_ports(n: int) -> list[int]:
     """n distinct loopback ports that were free a moment ago (held together while chosen)."""
-    if n < 1:
-        raise ValueError(f"need at least one port, got {n}.")
+    n = checks.whole_number(n, "the number of ports")
     sockets = []
     try:
         for _ in range(n):

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import checks
+
 NUM_CLASSES = 10
 
 
@@ -50,8 +52,7 @@ def make_dataset(x, y, batch_size: int, shuffle: bool = True, seed: int = 0,
     """
     import tensorflow as tf
 
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}.")
+    batch_size = checks.whole_number(batch_size, "batch_size")
     if drop_remainder and batch_size > len(x):
         raise ValueError(
             f"batch_size {batch_size} is larger than the {len(x)} examples, so "
