@@ -190,7 +190,7 @@ def _threads_note(layout: Layout) -> str:
     """What is really in force, read back rather than assumed: configuring fails once TensorFlow runs."""
     if layout.model == "cores":
         cores = sorted({w.core for w in core_devices.workers})
-        return f"; one server process per device on core(s) {cores}, intra-op threads 1 each"
+        return f"; one server process per device, pinned to core(s) {cores}"
     if layout.kind != "CPU":
         return ""
     import tensorflow as tf
