@@ -17,13 +17,32 @@ from tutorial_lib import devices
         ("/device:GPU:1", "/device:GPU:1"),
         ("device:gpu:3", "/device:GPU:3"),
         ("/job:localhost/replica:0/task:0/device:GPU:1", "/device:GPU:1"),
-        ("/job:worker/task:2/device:CPU:0", "/device:CPU:0"),
+        ("/job:localhost/device:GPU:1", "/device:GPU:1"),
         ("/cpu:0", "/device:CPU:0"),
         (" cpu:2 ", "/device:CPU:2"),
     ],
 )
 def test_normalize_accepts_every_common_form(name, expected):
     assert devices.normalize(name) == expected
+
+
+@pytest.mark.parametrize(
+    "name, expected",
+    [
+        ("/job:worker/replica:0/task:1/device:CPU:0", "/job:worker/replica:0/task:1/device:CPU:0"),
+        ("/job:worker/task:1/cpu:0", "/job:worker/replica:0/task:1/device:CPU:0"),
+        ("/job:worker/task:2/device:CPU:0", "/job:worker/replica:0/task:2/device:CPU:0"),
+        ("/job:worker/device:cpu:0", "/job:worker/replica:0/task:0/device:CPU:0"),
+        ("/job:localhost/replica:0/task:1/device:CPU:0", "/job:localhost/replica:0/task:1/device:CPU:0"),
+    ],
+)
+def test_normalize_keeps_the_job_and_task_of_another_process(name, expected):
+    assert devices.normalize(name) == expected
+
+
+def test_two_core_devices_stay_two_devices():
+    names = [f"/job:worker/replica:0/task:{k}/device:CPU:0" for k in range(2)]
+    assert len({devices.normalize(n) for n in names}) == 2
 
 
 def test_normalize_explains_the_seed_bug():
@@ -45,8 +64,15 @@ def test_normalize_rejects_non_strings():
 
 @pytest.mark.parametrize("n", [0, -1, 1.5, True, "2"])
 def test_plan_rejects_bad_counts(n):
-    with pytest.raises(ValueError, match="n >= 1"):
+    with pytest.raises(ValueError, match="number of devices n must be a whole number >= 1"):
         devices.plan(n)
+
+
+def test_plan_accepts_numpy_counts():
+    import numpy as np
+
+    layout = devices.plan(np.int64(3))
+    assert layout.n == 3 and type(layout.n) is int
 
 
 def test_plan_rejects_unknown_kind():
@@ -56,25 +82,28 @@ def test_plan_rejects_unknown_kind():
 
 def test_plan_without_gpu_simulates_cpus():
     layout = devices.plan(4, physical_gpus=0)
-    assert (layout.kind, layout.mode, layout.nccl_ok) == ("CPU", "simulated", False)
+    assert (layout.kind, layout.mode, layout.nccl_ok, layout.model) == ("CPU", "simulated", False, "logical")
+    assert "logical devices in this process" in str(layout)
 
 
 def test_plan_splits_one_gpu_and_marks_nccl_unusable():
     layout = devices.plan(4, physical_gpus=1)
-    assert (layout.kind, layout.mode, layout.nccl_ok) == ("GPU", "simulated", False)
+    assert (layout.kind, layout.mode, layout.nccl_ok, layout.model) == ("GPU", "simulated", False, "logical")
     assert "Duplicate GPU" in layout.reason
 
 
 def test_plan_uses_real_gpus_when_there_are_enough():
     layout = devices.plan(2, physical_gpus=8)
-    assert (layout.kind, layout.mode, layout.nccl_ok) == ("GPU", "real", True)
+    assert (layout.kind, layout.mode, layout.nccl_ok, layout.model) == ("GPU", "real", True, "real")
 
 
-def test_environment_variable_forces_cpu_simulation(devs):
+@pytest.mark.usefixtures("devs")
+def test_environment_variable_forces_cpu_simulation():
     import os
 
     assert os.environ[devices.ENV_VAR] == "cpu"  # set by the root conftest.py
     assert devices.current().kind == "CPU" and "asked for" in devices.current().reason
+    assert devices.current().model == "logical"
 
 
 def test_gpu_kind_without_gpu_is_an_error():
@@ -124,6 +153,20 @@ def test_simulate_after_tensorflow_started_says_restart():
     """)
     assert result.returncode != 0
     assert "Restart the kernel" in result.stderr
+
+
+def test_simulate_after_tensorflow_started_says_the_threads_were_not_set():
+    result = _run("""
+        import tensorflow as tf
+        tf.constant(1.0) + 1  # the runtime starts here, with one CPU device and default threads
+        from tutorial_lib import devices
+        devices.simulate(1)  # the same count: accepted, but nothing could be configured
+    """)
+    assert result.returncode == 0, result.stderr[-2000:]
+    (line,) = [line for line in result.stdout.splitlines() if "logical CPU device(s)" in line]
+    assert "intra-op threads 1 each" not in line
+    assert "intra-op threads could not be set, TensorFlow had already started" in line
+    assert "TensorFlow's default, one per core in force" in line
 
 
 def test_bytes_per_device(devs):

@@ -1,46 +1,61 @@
 """Get N devices on any machine, and name them the one way TensorFlow always accepts.
 
-TensorFlow can split one physical device into several *logical* devices, but only
-before its runtime starts. `simulate(n)` makes that choice once per process:
+`simulate(n, kind)` makes the choice once per process; `current()` says what it chose.
+Three models of a device, each honest for a different purpose:
 
-- no GPU: n logical CPUs. Intra-op threads are set to 1 and inter-op threads to at
-  least n, so each logical CPU behaves like one single-core worker; on a machine with
-  C cores up to C of them truly run at once.
-- one GPU (or fewer than n): n logical GPUs carved out of GPU 0. They run kernels, but
-  NCCL refuses several ranks on one physical GPU ("Duplicate GPU detected").
-- n or more GPUs: the first n real GPUs.
+- ``logical``: TensorFlow splits one physical device into n *logical* devices, before its
+  runtime starts. Without a GPU: n logical CPUs, intra-op threads 1 and inter-op threads
+  at least n. Right for correctness; wrong for speed, because they share this process's
+  thread pools, so one of them alone can keep every core busy. With one GPU (or fewer
+  than n): n logical GPUs carved out of GPU 0; NCCL refuses several ranks on one physical
+  GPU ("Duplicate GPU detected").
+- ``cores`` (``kind="cores"``): n TensorFlow server processes, each pinned to its own CPU
+  core, used from here with the same `tf.device` code (see `core_devices`). Each device
+  has its own processor and memory, and a transfer costs real time: right for speed.
+- ``real``: n or more GPUs: the first n real GPUs.
 
-Set ``TUTORIAL_DEVICE=cpu`` to force CPU simulation, whatever `kind` says (the tests do,
-so that their outputs are the same on every machine).
+Set ``TUTORIAL_DEVICE=cpu`` to force CPU simulation whatever `kind` says, except
+``kind="cores"``, which is CPU simulation already (the tests set it, so that their outputs
+are the same on every machine).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 from dataclasses import dataclass
 
+from . import checks, core_devices
+
 ENV_VAR = "TUTORIAL_DEVICE"
-KINDS = ("auto", "cpu", "gpu")
+KINDS = ("auto", "cpu", "gpu", "cores")
+MODELS = {  # how the devices are made, as `Layout.model` names it
+    "logical": "logical devices in this process",
+    "cores": "one process per core",
+    "real": "physical devices",
+}
 GPU_MEMORY_MB = 2048  # per logical GPU when one GPU is split
+LOCAL_JOB = core_devices.LOCAL_JOB  # the job of this process's own devices
 
 _current: Layout | None = None
 
 
 @dataclass(frozen=True)
 class Layout:
-    """What `simulate` chose: the device kind, how it got there, and whether NCCL can run."""
+    """What `simulate` chose: the device kind, how the devices are made, and whether NCCL can run."""
 
     kind: str  # "CPU" or "GPU"
     n: int
-    mode: str  # "simulated" (logical devices) or "real"
+    mode: str  # "simulated" or "real"
     nccl_ok: bool
     reason: str
+    model: str  # "logical", "cores" or "real": a key of MODELS
     names: tuple[str, ...] = ()
 
     def __str__(self) -> str:
         nccl = "NCCL usable" if self.nccl_ok else "no NCCL"
-        return f"{self.n} {self.mode} {self.kind} device(s), {nccl}: {self.reason}"
+        return f"{self.n} {self.mode} {self.kind} device(s) ({MODELS[self.model]}), {nccl}: {self.reason}"
 
 
 def plan(n: int, kind: str = "auto", physical_gpus: int = 0) -> Layout:
@@ -48,10 +63,11 @@ def plan(n: int, kind: str = "auto", physical_gpus: int = 0) -> Layout:
 
     Split out of `simulate` so that the GPU branches can be tested on a CPU-only machine.
     """
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"simulate needs a whole number of devices n >= 1, got {n!r}.")
+    n = checks.whole_number(n, "the number of devices n")
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}.")
+    if kind == "cores":
+        return Layout("CPU", n, "simulated", False, "core devices asked for; NCCL needs real GPUs", "cores")
     if kind == "gpu" and physical_gpus == 0:
         raise RuntimeError(
             "kind='gpu' was asked for but TensorFlow sees no GPU. Use kind='auto' or "
@@ -59,49 +75,68 @@ def plan(n: int, kind: str = "auto", physical_gpus: int = 0) -> Layout:
         )
     if kind == "cpu" or physical_gpus == 0:
         why = "CPU simulation asked for" if kind == "cpu" else "no GPU found"
-        return Layout("CPU", n, "simulated", False, f"{why}; NCCL needs real GPUs")
+        return Layout("CPU", n, "simulated", False, f"{why}; NCCL needs real GPUs", "logical")
     if physical_gpus >= n:
-        return Layout("GPU", n, "real", True, f"{physical_gpus} GPUs found")
+        return Layout("GPU", n, "real", True, f"{physical_gpus} GPUs found", "real")
     return Layout(
         "GPU", n, "simulated", False,
         f"{physical_gpus} GPU(s) for {n} devices: NCCL refuses several ranks on one "
         "physical GPU ('Duplicate GPU detected')",
+        "logical",
     )
 
 
 def simulate(n: int, kind: str = "auto") -> list[str]:
     """Provide n devices of one kind and return their full names, e.g. '/device:CPU:0'.
 
-    Call it first, before any other TensorFlow work. Calling it again with the same n
-    returns the same devices; asking for another layout once TensorFlow has started
-    raises a RuntimeError that says to restart the kernel.
+    Call it first, before any other TensorFlow work. Calling it again with the same n and
+    kind returns the same devices; asking for another layout once TensorFlow has started
+    raises a RuntimeError that says to restart the kernel. ``kind="cores"`` starts one
+    worker process per device (names such as '/job:worker/replica:0/task:0/device:CPU:0').
     """
     global _current
-    import tensorflow as tf
-
-    if os.environ.get(ENV_VAR, "").lower() == "cpu":
-        kind = "cpu"
-    layout = plan(n, kind, len(tf.config.list_physical_devices("GPU")))
+    kind = _forced(kind)
+    # Core devices need no GPU count: their workers start before TensorFlow is imported here.
+    layout = plan(n, kind) if kind == "cores" else plan(n, kind, _physical_gpus())
     if _current is not None:
-        if (_current.kind, _current.n) == (layout.kind, layout.n):
+        if (_current.kind, _current.n, _current.model) == (layout.kind, layout.n, layout.model):
             _announce(_current)
             return list(_current.names)
-        _refuse(layout, f"{_current.n} logical {_current.kind} devices")
-    try:
-        _configure(tf, layout)
-    except RuntimeError as err:  # the runtime started before us
-        have = [d.name for d in tf.config.list_logical_devices(layout.kind)]
-        if len(have) != n:
-            _refuse(layout, f"{len(have)} {layout.kind} device(s)", err)
-    names = tuple(d.name for d in tf.config.list_logical_devices(layout.kind))
-    _current = Layout(**{**layout.__dict__, "names": names})
+        _refuse(layout, _devices(_current, started=True))
+    names = core_devices.start(layout.n) if layout.model == "cores" else _start_in_process(layout)
+    _current = dataclasses.replace(layout, names=tuple(names))
     _announce(_current)
     return list(names)
 
 
 def current() -> Layout | None:
-    """The layout chosen by `simulate` in this process, or None before it was called."""
+    """The layout chosen by `simulate` in this process (its `model` says how), or None before it was called."""
     return _current
+
+
+def _forced(kind: str) -> str:
+    """The kind to use: TUTORIAL_DEVICE=cpu turns 'auto' and 'gpu' into 'cpu'; core devices are CPUs already."""
+    if os.environ.get(ENV_VAR, "").lower() == "cpu" and kind in ("auto", "gpu"):
+        return "cpu"
+    return kind
+
+
+def _physical_gpus() -> int:
+    import tensorflow as tf
+
+    return len(tf.config.list_physical_devices("GPU"))
+
+
+def _start_in_process(layout: Layout) -> list[str]:
+    import tensorflow as tf
+
+    try:
+        _configure(tf, layout)
+    except RuntimeError as err:  # the runtime started before us
+        have = [d.name for d in tf.config.list_logical_devices(layout.kind)]
+        if len(have) != layout.n:
+            _refuse(layout, f"{len(have)} {layout.kind} device(s)", err)
+    return [d.name for d in tf.config.list_logical_devices(layout.kind)]
 
 
 def _configure(tf, layout: Layout) -> None:
@@ -128,25 +163,49 @@ def _configure(tf, layout: Layout) -> None:
 
 
 def _refuse(layout: Layout, have: str, cause: Exception | None = None) -> None:
+    call = f"simulate({layout.n}, kind='cores')" if layout.model == "cores" else f"simulate({layout.n})"
     raise RuntimeError(
-        f"TensorFlow has already started with {have}; it cannot switch to {layout.n} "
-        f"{layout.kind} devices in this process. Restart the kernel (Kernel > Restart) "
-        f"and call simulate({layout.n}) first, before any other TensorFlow work."
+        f"TensorFlow has already started with {have}; it cannot switch to {_devices(layout)} "
+        f"in this process. Restart the kernel (Kernel > Restart) and call {call} first, "
+        "before any other TensorFlow work."
     ) from cause
+
+
+def _devices(layout: Layout, started: bool = False) -> str:
+    """'2 core devices', '4 CPU devices'; '4 logical CPU devices' for a layout already in force."""
+    if layout.model == "cores":
+        return f"{layout.n} core devices"
+    logical = "logical " if started and layout.model == "logical" else ""
+    return f"{layout.n} {logical}{layout.kind} devices"
 
 
 def _announce(layout: Layout) -> None:
     names = layout.names
     shown = ", ".join(names) if len(names) <= 4 else f"{names[0]} ... {names[-1]}"
-    what = "logical" if layout.mode == "simulated" else "real"
-    extra = "; intra-op threads 1 each" if layout.kind == "CPU" else ""
-    print(f"{layout.n} {what} {layout.kind} device(s) ({layout.reason}{extra}): {shown}")
+    what = {"logical": "logical", "cores": "core", "real": "real"}[layout.model]
+    print(f"{layout.n} {what} {layout.kind} device(s) ({layout.reason}{_threads_note(layout)}): {shown}")
+
+
+def _threads_note(layout: Layout) -> str:
+    """What is really in force, read back rather than assumed: configuring fails once TensorFlow runs."""
+    if layout.model == "cores":
+        cores = sorted({w.core for w in core_devices.workers})
+        return f"; one server process per device, pinned to core(s) {cores}"
+    if layout.kind != "CPU":
+        return ""
+    import tensorflow as tf
+
+    threads = tf.config.threading.get_intra_op_parallelism_threads()
+    if threads == 1:
+        return "; intra-op threads 1 each"
+    in_force = threads or "TensorFlow's default, one per core"
+    return f"; intra-op threads could not be set, TensorFlow had already started: {in_force} in force"
 
 
 # --- names ----------------------------------------------------------------------------
 
 _NAME = re.compile(
-    r"""^(?:/job:[\w-]+)?(?:/replica:\d+)?(?:/task:\d+)?   # optional cluster prefix
+    r"""^(?:/job:(?P<job>[\w-]+))?(?:/replica:(?P<replica>\d+))?(?:/task:(?P<task>\d+))?  # cluster prefix
         /?(?:device:)?                                     # '/device:' or '/' or nothing
         (?P<kind>[a-z_]+):(?P<index>\d+)$""",
     re.IGNORECASE | re.VERBOSE,
@@ -155,10 +214,13 @@ _KNOWN = {"cpu", "gpu", "tpu", "xla_cpu", "xla_gpu"}
 
 
 def normalize(name: str) -> str:
-    """Return the canonical local form '/device:GPU:1' of a device name.
+    """Return the canonical form of a device name: '/device:GPU:1' for this process's own devices.
 
     Accepts 'gpu:1', '/gpu:1', 'GPU:1', '/device:GPU:1' and full names such as
-    '/job:localhost/replica:0/task:0/device:GPU:1'. Raises ValueError on anything else,
+    '/job:localhost/replica:0/task:0/device:GPU:1' (this process: '/device:GPU:1').
+    A device of another process keeps its job, replica and task, so that two core
+    devices stay two: '/job:worker/task:1/cpu:0' gives
+    '/job:worker/replica:0/task:1/device:CPU:0'. Raises ValueError on anything else,
     with a hint when a full name was pasted into another one (the seed's
     ``'/gpu:{}'.format(name)`` bug).
     """
@@ -166,7 +228,7 @@ def normalize(name: str) -> str:
         raise TypeError(f"a device name is a string such as '/device:GPU:0', got {name!r}.")
     match = _NAME.match(name.strip())
     if match and match["kind"].lower() in _KNOWN:
-        return f"/device:{match['kind'].upper()}:{int(match['index'])}"
+        return _canonical(match)
     hint = ""
     if name.lower().count("cpu") + name.lower().count("gpu") > 1:
         hint = (
@@ -178,6 +240,14 @@ def normalize(name: str) -> str:
         f"{name!r} is not a device name. Write it as '/device:GPU:0' (or 'gpu:0', "
         f"'/cpu:0'): a kind from {sorted(_KNOWN)} and an index.{hint}"
     )
+
+
+def _canonical(match: re.Match) -> str:
+    device = f"/device:{match['kind'].upper()}:{int(match['index'])}"
+    place = (match["job"] or LOCAL_JOB, int(match["replica"] or 0), int(match["task"] or 0))
+    if place == (LOCAL_JOB, 0, 0):
+        return device  # this process's own device
+    return "/job:{}/replica:{}/task:{}".format(*place) + device
 
 
 def bytes_per_device(variables) -> dict[str, int]:

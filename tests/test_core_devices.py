@@ -1,0 +1,220 @@
+"""Core devices: one TensorFlow server process per core, started by `devices.simulate(n, kind="cores")`.
+
+The unit tests share one process that already simulated 4 logical CPUs, so every test that
+connects to core devices runs a small driver script in a process of its own (cwd = the
+repository root, so that it imports this checkout's `tutorial_lib`). The environment keeps
+TUTORIAL_DEVICE=cpu from the root conftest.py: core devices are CPUs and must still be used.
+Workers that fail to start are tested here, in this process: nothing connects to them.
+"""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from tutorial_lib import cluster, core_devices, devices, processes
+
+ROOT = Path(__file__).resolve().parents[1]
+DEADLINE_S = 10.0  # how long stopped workers may take to disappear
+linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc to find live workers")
+
+
+def _driver(code: str, *args) -> list[str]:
+    return [sys.executable, "-c", textwrap.dedent(code), *map(str, args)]
+
+
+def _run(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run(_driver(code), cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+
+def _tagged(stdout: str, tag: str) -> list:
+    """The JSON values of every line 'TAG value' the driver printed."""
+    return [json.loads(line.split(" ", 1)[1]) for line in stdout.splitlines() if line.startswith(tag + " ")]
+
+
+def _alive(pid: int) -> bool:
+    """Whether a worker with this pid still runs (a zombie has finished; a reused pid runs another program)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        command = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+    return state != "Z" and command.startswith(sys.executable.encode())
+
+
+def _still_alive(pids, within: float = DEADLINE_S) -> list[int]:
+    end = time.monotonic() + within
+    while any(_alive(p) for p in pids) and time.monotonic() < end:
+        time.sleep(0.1)
+    return [p for p in pids if _alive(p)]
+
+
+# --- which core each device gets (no processes) ------------------------------------------
+
+
+def test_one_core_each_while_there_are_enough(recwarn):
+    assert core_devices.cores_for(2, [1, 0]) == [0, 1]
+    assert not recwarn.list
+
+
+def test_more_devices_than_cores_warns_what_the_timings_then_mean():
+    with pytest.warns(UserWarning, match="no longer mean one core per device"):
+        assert core_devices.cores_for(3, [0, 1]) == [0, 1, 0]
+
+
+def test_plan_for_core_devices_says_its_model():
+    layout = devices.plan(2, kind="cores", physical_gpus=8)  # core devices even where GPUs exist
+    assert (layout.kind, layout.mode, layout.model, layout.nccl_ok) == ("CPU", "simulated", "cores", False)
+    assert "one process per core" in str(layout)
+
+
+# --- two core devices in a process of their own ------------------------------------------
+
+CONNECTED = """
+    import json, os
+    from tutorial_lib import cluster, core_devices, devices, processes
+
+    assert os.environ["TUTORIAL_DEVICE"] == "cpu"
+    names = devices.simulate(2, kind="cores")
+    print("PIDS", json.dumps([w.process.pid for w in core_devices.workers]), flush=True)
+    import tensorflow as tf
+
+    @tf.function
+    def step(a):
+        with tf.device(names[0]):
+            product = tf.matmul(a, a)  # on task 0 ...
+        with tf.device(names[1]):
+            total = tf.reduce_sum(product)  # ... feeds an op on task 1
+        return product, total
+
+    product, total = step(tf.ones([4, 4]))
+    print("RESULT", json.dumps({"names": names, "product": product.device, "total": total.device,
+                                "value": float(total), "model": devices.current().model}))
+    print("AGAIN", json.dumps(devices.simulate(2, kind="cores")))
+    for n, kind in ((3, "cores"), (2, "auto")):
+        try:
+            devices.simulate(n, kind=kind)
+        except RuntimeError as err:
+            print("REFUSED", json.dumps(str(err)))
+"""
+
+
+@pytest.fixture(scope="module")
+def connected():
+    result = _run(CONNECTED)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+def test_core_devices_compute_across_worker_tasks(connected):
+    (result,) = _tagged(connected.stdout, "RESULT")
+    task = [f"/job:worker/replica:0/task:{k}/device:CPU:0" for k in range(2)]
+    assert result["names"] == task
+    assert (result["product"], result["total"]) == (task[0], task[1])
+    assert result["value"] == 64.0  # ones(4, 4) @ ones(4, 4) is all fours
+    assert result["model"] == "cores"  # honoured although TUTORIAL_DEVICE=cpu
+
+
+def test_simulate_cores_twice_returns_the_same_devices(connected):
+    (result,) = _tagged(connected.stdout, "RESULT")
+    assert _tagged(connected.stdout, "AGAIN") == [result["names"]]
+    assert connected.stdout.count("2 core CPU device(s)") == 2  # announced both times
+
+
+def test_another_count_or_model_says_restart(connected):
+    other_count, other_model = _tagged(connected.stdout, "REFUSED")
+    assert "2 core devices; it cannot switch to 3 core devices" in other_count
+    assert "Restart the kernel" in other_count and "simulate(3, kind='cores')" in other_count
+    assert "cannot switch to 2 CPU devices" in other_model and "Restart the kernel" in other_model
+
+
+@linux_only
+def test_workers_end_when_the_kernel_exits(connected):
+    (pids,) = _tagged(connected.stdout, "PIDS")
+    assert len(pids) == 2
+    assert _still_alive(pids) == []
+
+
+KILLED = """
+    import json, sys, time
+    from pathlib import Path
+    from tutorial_lib import cluster, core_devices, devices, processes
+
+    devices.simulate(2, kind="cores")
+    Path(sys.argv[1]).write_text(json.dumps([w.process.pid for w in core_devices.workers]))
+    time.sleep(600)  # until the test kills us
+"""
+
+
+@linux_only
+def test_workers_end_when_the_kernel_is_killed(tmp_path):
+    pid_file = tmp_path / "pids.json"
+    driver = subprocess.Popen(_driver(KILLED, pid_file), cwd=ROOT, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True)
+    try:
+        end = time.monotonic() + 300
+        while not pid_file.exists() and driver.poll() is None and time.monotonic() < end:
+            time.sleep(0.1)
+        assert pid_file.exists(), f"the driver did not start its core devices: {driver.poll()}"
+        pids = json.loads(pid_file.read_text())
+        assert all(_alive(p) for p in pids)
+        os.kill(driver.pid, signal.SIGKILL)  # no Python code runs: only PR_SET_PDEATHSIG can help
+        driver.wait()
+        assert _still_alive(pids) == []
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+            driver.wait()
+
+
+# --- a worker that cannot start (in this process: it fails before anything connects) -------
+
+SLEEPER = [sys.executable, "-c", "import time; time.sleep(600)"]  # a worker still starting, or hung
+
+
+@pytest.fixture
+def spawned(monkeypatch):
+    """The processes `core_devices.start` spawns, recorded as it spawns them."""
+    started = []
+
+    def spawn(command, **kwargs):
+        started.append(real_spawn(command, **kwargs))
+        return started[-1]
+
+    real_spawn = processes.spawn
+    monkeypatch.setattr(processes, "spawn", spawn)
+    return started
+
+
+@linux_only
+def test_a_worker_whose_port_is_taken_is_a_clear_error_and_the_others_are_stopped(monkeypatch, spawned):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        monkeypatch.setattr(core_devices, "free_ports", lambda n: [port] + cluster.free_ports(n - 1))
+        real_command = core_devices._worker_command
+        monkeypatch.setattr(core_devices, "_worker_command",  # task 0 real, task 1 still starting
+                            lambda task, core, addresses: SLEEPER if task else real_command(task, core, addresses))
+        expected = (r"(?s)core device 0 did not start: .*localhost:\d+ on core \d+\) exited with status 1"
+                    r".*is the port taken\?.*Could not start gRPC server")
+        with pytest.raises(RuntimeError, match=expected):
+            core_devices.start(2)
+    assert [p.poll() is not None for p in spawned] == [True, True]  # the healthy one was stopped too
+    assert core_devices.workers == []
+
+
+@linux_only
+def test_workers_that_never_get_ready_are_a_clear_error_and_are_stopped(monkeypatch, spawned):
+    monkeypatch.setattr(core_devices, "_worker_command", lambda *_: SLEEPER)
+    with pytest.raises(RuntimeError, match=r"(?s)core device\(s\) \[0, 1\] not ready after 1 s.*START_TIMEOUT_S"):
+        core_devices.start(2, timeout=1.0)
+    assert [p.poll() is not None for p in spawned] == [True, True]
+    assert core_devices.workers == []

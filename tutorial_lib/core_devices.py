@@ -1,0 +1,148 @@
+"""Core devices: one TensorFlow server process per device, each pinned to its own CPU core.
+
+Logical CPUs in one process share its thread pools, so one of them alone can keep every
+core busy and speed measurements mean little. A core device is a separate process (see
+`core_worker`) that can only run on its core, with its own memory: transfers between two
+of them cost real time, as between GPUs. This process joins them as a cluster client,
+under a job of its own ("localhost"), so that its own CPU is not one of the devices, and
+uses them with the same `tf.device` code as any other device.
+
+`devices.simulate(n, kind="cores")` is the entry point; `start` does the work:
+
+1. pick free loopback ports and start every worker at once (`processes.spawn`: they die
+   with this process, however it ends), each writing to a log file;
+2. wait until each prints its READY line, with a timeout; a worker that exits or hangs
+   stops them all and raises a `RuntimeError` carrying its log tail;
+3. connect with `tf.config.experimental_connect_to_cluster`.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import core_worker, processes
+from .cluster import free_ports
+
+START_TIMEOUT_S = 120.0  # a worker imports TensorFlow; on a busy machine that takes a while
+LOCAL_JOB = "localhost"  # this process's own job: its CPU is not one of the devices
+
+# TensorFlow's C++ INFO lines at start-up, printed before its logging is configured; a log
+# tail without them shows what went wrong.
+_STARTUP_NOISE = re.compile(r"^(I\d{4} \d\d:\d\d:|WARNING: All log messages before absl::InitializeLog)")
+
+
+@dataclass(frozen=True)
+class Worker:
+    """One started core device: its task index, core, address, log file and process."""
+
+    task: int
+    core: int
+    address: str
+    log: Path
+    process: subprocess.Popen
+
+    def ready(self) -> bool:
+        return self.log.exists() and core_worker.READY in self.log.read_text(errors="replace")
+
+    def tail(self, lines: int = 15) -> str:
+        text = self.log.read_text(errors="replace") if self.log.exists() else ""
+        kept = [line for line in text.splitlines() if not _STARTUP_NOISE.match(line)]
+        return "\n".join(kept[-lines:]) or "(empty)"
+
+
+workers: list[Worker] = []  # the core devices this process started and is connected to
+
+
+def device_name(task: int) -> str:
+    """The full name of core device `task`, for `tf.device`."""
+    return f"/job:worker/replica:0/task:{task}/device:CPU:0"
+
+
+def available_cores() -> list[int]:
+    """The CPU cores this process may run on (all of them where that cannot be asked)."""
+    if hasattr(os, "sched_getaffinity"):
+        return sorted(os.sched_getaffinity(0))
+    return list(range(os.cpu_count() or 1))
+
+
+def cores_for(n: int, available) -> list[int]:
+    """The core of each of n devices: one each while there are enough, then shared, with a warning."""
+    available = sorted(available)
+    if n > len(available):
+        warnings.warn(
+            f"{n} core devices on {len(available)} core(s): several devices share a core, so speed "
+            "figures no longer mean one core per device (devices on one core slow each other down). "
+            f"Results stay correct; for speed lessons use at most {len(available)} devices.",
+            stacklevel=2,
+        )
+    return [available[k % len(available)] for k in range(n)]
+
+
+def start(n: int, timeout: float | None = None) -> list[str]:
+    """Start n core devices, connect this process to them and return their names."""
+    cores = cores_for(n, available_cores())
+    addresses = [f"localhost:{port}" for port in free_ports(n)]
+    log_dir = Path(tempfile.mkdtemp(prefix="core_devices_"))
+    started = [_spawn(task, core, addresses, log_dir) for task, core in enumerate(cores)]
+    try:
+        import tensorflow as tf  # imported here while the workers start
+
+        _wait_until_ready(started, START_TIMEOUT_S if timeout is None else timeout)
+        tf.config.experimental_connect_to_cluster(tf.train.ClusterSpec({"worker": addresses}), job_name=LOCAL_JOB)
+    except BaseException:  # a failure, a timeout, or Ctrl-C: leave nothing running
+        processes.stop([w.process for w in started], grace=2.0)
+        raise
+    workers.extend(started)
+    return [device_name(task) for task in range(n)]
+
+
+def _worker_command(task: int, core: int, addresses: list[str]) -> list[str]:
+    return [sys.executable, core_worker.__file__, "--task", str(task), "--core", str(core),
+            "--cluster", ",".join(addresses)]
+
+
+def _spawn(task: int, core: int, addresses: list[str], log_dir: Path) -> Worker:
+    log = log_dir / f"worker{task}.log"
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}  # a core device is a CPU: leave any GPU alone
+    with open(log, "w") as out:
+        process = processes.spawn(_worker_command(task, core, addresses), env=env,
+                                  stdout=out, stderr=subprocess.STDOUT)
+    return Worker(task, core, addresses[task], log, process)
+
+
+def _wait_until_ready(started: list[Worker], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    waiting = list(started)
+    while True:
+        waiting = [w for w in waiting if not w.ready()]
+        if not waiting:
+            return
+        exited = [w for w in waiting if w.process.poll() is not None]
+        if exited:
+            raise RuntimeError(_exited_message(exited[0]))
+        if time.monotonic() > deadline:
+            raise RuntimeError(_late_message(waiting, timeout))
+        time.sleep(0.05)
+
+
+def _exited_message(worker: Worker) -> str:
+    return (f"core device {worker.task} did not start: its worker (a TensorFlow server for {worker.address} "
+            f"on core {worker.core}) exited with status {worker.process.poll()}, and the other workers were "
+            "stopped. Call simulate again to retry on other ports; if it fails again, its log says why. "
+            f"Last lines of {worker.log}:\n{worker.tail()}")
+
+
+def _late_message(waiting: list[Worker], timeout: float) -> str:
+    first = waiting[0]
+    return (f"core device(s) {[w.task for w in waiting]} not ready after {timeout:.0f} s, so every worker "
+            "was stopped. A busy machine starts TensorFlow slowly: raise "
+            "tutorial_lib.core_devices.START_TIMEOUT_S and call simulate again. "
+            f"Last lines of {first.log}:\n{first.tail()}")

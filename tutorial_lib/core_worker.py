@@ -1,0 +1,56 @@
+"""One core device: a TensorFlow server process that runs on one CPU core only.
+
+`devices.simulate(n, kind="cores")` starts n of these (see `core_devices`), one per core,
+and connects the notebook to them. Each is a `tf.distribute.Server` (job "worker", task k)
+whose only device is `/job:worker/replica:0/task:k/device:CPU:0`.
+
+The process pins itself to its core *before* TensorFlow is imported: TensorFlow sizes its
+thread pools from the cores it may run on, and a pinned process cannot borrow another
+core however many threads it starts. It then prints one line starting with `READY` and
+serves until it is stopped.
+
+Run as a script by its file path, so that it does not depend on how the parent found the
+package: ``python core_worker.py --task 0 --core 0 --cluster localhost:2222,localhost:2223``.
+Only the standard library is imported at the top, for the same reason.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+READY = "READY"
+INTER_OP_THREADS = 2  # a few ops of one device may wait on transfers while another computes
+
+
+def main(argv=None) -> None:
+    args = _arguments(argv)
+    addresses = args.cluster.split(",")
+    if hasattr(os, "sched_setaffinity"):  # Linux; elsewhere the device is not pinned
+        os.sched_setaffinity(0, {args.core})
+    import tensorflow as tf
+
+    config = tf.compat.v1.ConfigProto(intra_op_parallelism_threads=1,
+                                      inter_op_parallelism_threads=INTER_OP_THREADS)
+    try:
+        server = tf.distribute.Server(tf.train.ClusterSpec({"worker": addresses}), job_name="worker",
+                                      task_index=args.task, protocol="grpc", config=config, start=True)
+    except tf.errors.OpError as err:  # most often: another program took the port since it was picked
+        sys.exit(f"core worker {args.task} cannot serve {addresses[args.task]} (is the port taken?): {err}")
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else "any"
+    print(f"{READY}: task {args.task} (pid {os.getpid()}) serving {addresses[args.task]} on core(s) {cores}, "
+          f"intra-op threads 1, inter-op threads {INTER_OP_THREADS}", flush=True)
+    server.join()
+
+
+def _arguments(argv) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description="One TensorFlow server pinned to one CPU core.")
+    parser.add_argument("--task", type=int, required=True, help="this worker's index in the cluster")
+    parser.add_argument("--core", type=int, required=True, help="the CPU core to run on")
+    parser.add_argument("--cluster", required=True, help="every worker's host:port, comma separated")
+    return parser.parse_args(argv)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
