@@ -84,6 +84,7 @@ CONNECTED = """
     assert os.environ["TUTORIAL_DEVICE"] == "cpu"
     names = devices.simulate(2, kind="cores")
     print("PIDS", json.dumps([w.process.pid for w in core_devices.workers]), flush=True)
+    print("LOGS", json.dumps(str(core_devices.workers[0].log.parent)), flush=True)
     import tensorflow as tf
 
     @tf.function
@@ -140,6 +141,12 @@ def test_workers_end_when_the_kernel_exits(connected):
     (pids,) = _tagged(connected.stdout, "PIDS")
     assert len(pids) == 2
     assert _still_alive(pids) == []
+
+
+def test_worker_logs_are_removed_when_the_kernel_exits(connected):
+    (folder,) = _tagged(connected.stdout, "LOGS")
+    assert Path(folder).parent == cluster.log_root()
+    assert not Path(folder).exists()
 
 
 KILLED = """

@@ -104,7 +104,7 @@ def _owner_alive(folder: Path) -> bool:
     return True
 
 
-def _new_log_dir() -> Path:
+def new_log_dir() -> Path:
     """A fresh log folder under `log_root()`, after removing those whose process has died."""
     root = log_root()
     root.mkdir(parents=True, exist_ok=True)
@@ -129,7 +129,7 @@ class Cluster:
         self.ports = free_ports(workers) if ports is None else _checked_ports(ports, workers)
         self.env = {**os.environ, **(env or {})}
         if log_dir is None:  # ours: removed with this object (see the module's docstring)
-            self.log_dir = _new_log_dir()
+            self.log_dir = new_log_dir()
             weakref.finalize(self, shutil.rmtree, self.log_dir, ignore_errors=True)
         else:  # the caller's: kept
             self.log_dir = Path(log_dir)

@@ -18,18 +18,19 @@ uses them with the same `tf.device` code as any other device.
 
 from __future__ import annotations
 
+import atexit
 import os
 import re
+import shutil
 import subprocess
 import sys
-import tempfile
 import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 from . import core_worker, processes
-from .cluster import free_ports
+from .cluster import free_ports, new_log_dir
 
 START_TIMEOUT_S = 120.0  # a worker imports TensorFlow; on a busy machine that takes a while
 LOCAL_JOB = "localhost"  # this process's own job: its CPU is not one of the devices
@@ -90,7 +91,9 @@ def start(n: int, timeout: float | None = None) -> list[str]:
     """Start n core devices, connect this process to them and return their names."""
     cores = cores_for(n, available_cores())
     addresses = [f"localhost:{port}" for port in free_ports(n)]
-    log_dir = Path(tempfile.mkdtemp(prefix="core_devices_"))
+    # Under cluster.log_root(): removed at exit, or swept by a later run if this one was killed.
+    log_dir = new_log_dir()
+    atexit.register(shutil.rmtree, log_dir, ignore_errors=True)
     started = [_spawn(task, core, addresses, log_dir) for task, core in enumerate(cores)]
     try:
         import tensorflow as tf  # imported here while the workers start
