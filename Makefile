@@ -55,7 +55,8 @@ lab: $(STAMP)
 	$(BIN)/jupyter lab --ServerApp.root_dir=notebooks $(ALLOW_ROOT) $(LAB_ARGS)
 
 test: $(STAMP)
-	$(BIN)/ruff check tutorial_lib tests notebooks tools
+	$(BIN)/ruff check tutorial_lib tests notebooks tools conftest.py
+	$(BIN)/ruff format --check tutorial_lib tests notebooks tools conftest.py
 	$(BIN)/python -m pytest tests $(NOTEBOOKS) --nbval --nbval-current-env \
 		--nbval-sanitize-with tests/nbval_sanitize.cfg $(PYTEST_ARGS)
 

@@ -212,8 +212,13 @@ def test_buckets_respect_the_size_limit():
 
 
 def test_buckets_never_mix_dtypes():
-    tensors = [tf.zeros([2]), tf.zeros([2], tf.float16), tf.zeros([2], tf.float16), tf.zeros([2]),
-               tf.zeros([2], tf.float64)]
+    tensors = [
+        tf.zeros([2]),
+        tf.zeros([2], tf.float16),
+        tf.zeros([2], tf.float16),
+        tf.zeros([2]),
+        tf.zeros([2], tf.float64),
+    ]
     assert allreduce.buckets(tensors, max_bytes=10_000) == [[0], [1, 2], [3], [4]]
     assert allreduce.buckets(tensors[1:3], max_bytes=4) == [[0], [1]]  # the size limit still holds
 
@@ -252,8 +257,12 @@ def test_packed_allreduce_needs_one_device_per_tower(devs):
         allreduce.packed_allreduce_grads(tower_grads, max_bytes=100, devices=devs[0])
 
 
-KNOWN_REASONS = (r"the nvidia-nccl-cu12 package is not installed", r"no libnccl\.so under",
-                 r"ncclGetVersion returned an error", r"the library did not load: ")
+KNOWN_REASONS = (
+    r"the nvidia-nccl-cu12 package is not installed",
+    r"no libnccl\.so under",
+    r"ncclGetVersion returned an error",
+    r"the library did not load: ",
+)
 
 
 def test_nccl_version_reads_the_library_or_says_why():

@@ -7,8 +7,10 @@ def test_cli_runs_a_case_and_writes_json(tmp_path, capsys, devs):
     import json
 
     path = tmp_path / "bench.json"
-    assert bench.main(["--devices", str(len(devs)), "--cases", "packing,mixed", "--repeats", "3",
-                       "--json", str(path)]) == 0
+    assert (
+        bench.main(["--devices", str(len(devs)), "--cases", "packing,mixed", "--repeats", "3", "--json", str(path)])
+        == 0
+    )
     out = capsys.readouterr().out
     assert "[packing] running" in out and "packed into one bucket" in out and "mixed precision" in out
     rows = json.loads(path.read_text())["rows"]
@@ -17,14 +19,17 @@ def test_cli_runs_a_case_and_writes_json(tmp_path, capsys, devs):
     assert packed["speedup"] == pytest.approx(one_by_one["ms"] / packed["ms"])
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--devices", "0"], "--devices must be >= 1"),
-    (["--repeats", "0"], "must be >= 1"),
-    (["--cases", "weak,bogus"], "unknown case"),
-    (["--json", "/nonexistent-folder/out.json"], "not a writable folder"),
-    (["--cases", ","], "names no case"),
-    (["--cases", " , ,"], "names no case"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--devices", "0"], "--devices must be >= 1"),
+        (["--repeats", "0"], "must be >= 1"),
+        (["--cases", "weak,bogus"], "unknown case"),
+        (["--json", "/nonexistent-folder/out.json"], "not a writable folder"),
+        (["--cases", ","], "names no case"),
+        (["--cases", " , ,"], "names no case"),
+    ],
+)
 def test_cli_rejects_bad_options(args, message, capsys):
     with pytest.raises(SystemExit):
         bench.main(args)

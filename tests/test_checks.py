@@ -30,8 +30,11 @@ def test_same_length_says_how_to_pair_them_up():
 
 
 def test_device_list_refuses_a_lone_string_and_an_empty_list():
-    with pytest.raises(TypeError, match=r"devices must be a list of device names, got the string 'cpu:0'; "
-                                        r"write \['cpu:0'\]"):
+    with pytest.raises(
+        TypeError,
+        match=r"devices must be a list of device names, got the string 'cpu:0'; "
+        r"write \['cpu:0'\]",
+    ):
         checks.device_list("cpu:0")
     with pytest.raises(ValueError, match="stage_devices is empty: pass at least one device name"):
         checks.device_list([], name="stage_devices")

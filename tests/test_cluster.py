@@ -40,8 +40,10 @@ def test_free_ports_are_distinct_and_bindable():
 
 def test_tf_config_names_every_worker_and_this_task():
     config = cluster.tf_config([1111, 2222], 1)
-    assert config == {"cluster": {"worker": ["localhost:1111", "localhost:2222"]},
-                      "task": {"type": "worker", "index": 1}}
+    assert config == {
+        "cluster": {"worker": ["localhost:1111", "localhost:2222"]},
+        "task": {"type": "worker", "index": 1},
+    }
     with pytest.raises(ValueError, match="outside a cluster of 2"):
         cluster.tf_config([1111, 2222], 2)
 
@@ -54,10 +56,13 @@ def test_each_worker_gets_its_own_tf_config(tmp_path):
 
 
 def test_a_crashing_worker_is_reported_with_its_log_tail_and_the_others_stopped(tmp_path):
-    script = _script(tmp_path, "i = json.loads(os.environ['TF_CONFIG'])['task']['index']\n"
-                               "print('worker', i, 'up', flush=True)\n"
-                               "if i == 1: sys.exit(7)\n"
-                               "time.sleep(60)\n")
+    script = _script(
+        tmp_path,
+        "i = json.loads(os.environ['TF_CONFIG'])['task']['index']\n"
+        "print('worker', i, 'up', flush=True)\n"
+        "if i == 1: sys.exit(7)\n"
+        "time.sleep(60)\n",
+    )
     c = cluster.Cluster(script, 2).start()
     start = time.monotonic()
     with pytest.raises(cluster.ClusterError, match=r"worker 1 exited with status 7(.|\n)*worker 1 up"):
@@ -111,8 +116,7 @@ def test_a_numpy_worker_count_is_accepted(tmp_path):
 
 
 def test_a_stopped_cluster_starts_again(tmp_path):
-    script = _script(tmp_path, "print('run', os.environ['RUN'], flush=True)\n"
-                               "time.sleep(float(os.environ['NAP']))\n")
+    script = _script(tmp_path, "print('run', os.environ['RUN'], flush=True)\ntime.sleep(float(os.environ['NAP']))\n")
     c = cluster.Cluster(script, 2, env={"RUN": "1", "NAP": "60"}).start()
     with pytest.raises(cluster.ClusterError, match="already running"):
         c.start()
@@ -169,15 +173,19 @@ time.sleep(300)  # until the test's signal
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
-@pytest.mark.parametrize("ending", ["returns", signal.SIGTERM, signal.SIGHUP, signal.SIGKILL],
-                         ids=["returns", "SIGTERM", "SIGHUP", "SIGKILL"])
+@pytest.mark.parametrize(
+    "ending",
+    ["returns", signal.SIGTERM, signal.SIGHUP, signal.SIGKILL],
+    ids=["returns", "SIGTERM", "SIGHUP", "SIGKILL"],
+)
 def test_workers_die_with_their_driver(tmp_path, ending):
     driver = tmp_path / "driver.py"
     driver.write_text(DRIVER)
     worker = _script(tmp_path, "time.sleep(300)\n")
     how = ending if isinstance(ending, str) else "waits"
-    process = subprocess.Popen([sys.executable, str(driver), str(worker), how], stdout=subprocess.PIPE,
-                               env=env_with_root())
+    process = subprocess.Popen(
+        [sys.executable, str(driver), str(worker), how], stdout=subprocess.PIPE, env=env_with_root()
+    )
     pids = [int(pid) for pid in process.stdout.readline().split()]
     try:
         assert len(pids) == 2
@@ -210,10 +218,13 @@ def test_multi_worker_training_equals_one_process_and_leaves_nothing_running(tmp
 def test_tail_drops_tensorflow_startup_info_but_keeps_warnings(tmp_path):
     banner = "WARNING: All log messages before absl::InitializeLog() is called are written to STDERR"
     info = "I0000 00:00:1796033744.528282   20364 port.cc:153] oneDNN custom operations are on."
-    script = _script(tmp_path, f"print({banner!r})\n"
-                               f"print({info!r})\n"
-                               "print('W0000 00:00:1796033744.5 real warning')\n"
-                               "print('worker says hello')\n")
+    script = _script(
+        tmp_path,
+        f"print({banner!r})\n"
+        f"print({info!r})\n"
+        "print('W0000 00:00:1796033744.5 real warning')\n"
+        "print('worker says hello')\n",
+    )
     with cluster.Cluster(script, 1) as c:
         c.wait(timeout=30)
     assert c.tail(0).splitlines() == ["W0000 00:00:1796033744.5 real warning", "worker says hello"]

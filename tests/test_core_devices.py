@@ -163,8 +163,9 @@ KILLED = """
 @linux_only
 def test_workers_end_when_the_kernel_is_killed(tmp_path):
     pid_file = tmp_path / "pids.json"
-    driver = subprocess.Popen(_driver(KILLED, pid_file), cwd=ROOT, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.PIPE, text=True)
+    driver = subprocess.Popen(
+        _driver(KILLED, pid_file), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
     try:
         end = time.monotonic() + 300
         while not pid_file.exists() and driver.poll() is None and time.monotonic() < end:
@@ -208,10 +209,15 @@ def test_a_worker_whose_port_is_taken_is_a_clear_error_and_the_others_are_stoppe
         port = taken.getsockname()[1]
         monkeypatch.setattr(core_devices, "free_ports", lambda n: [port] + cluster.free_ports(n - 1))
         real_command = core_devices._worker_command
-        monkeypatch.setattr(core_devices, "_worker_command",  # task 0 real, task 1 still starting
-                            lambda task, core, addresses: SLEEPER if task else real_command(task, core, addresses))
-        expected = (r"(?s)core device 0 did not start: .*localhost:\d+ on core \d+\) exited with status 1"
-                    r".*is the port taken\?.*Could not start gRPC server")
+        monkeypatch.setattr(
+            core_devices,
+            "_worker_command",  # task 0 real, task 1 still starting
+            lambda task, core, addresses: SLEEPER if task else real_command(task, core, addresses),
+        )
+        expected = (
+            r"(?s)core device 0 did not start: .*localhost:\d+ on core \d+\) exited with status 1"
+            r".*is the port taken\?.*Could not start gRPC server"
+        )
         with pytest.raises(RuntimeError, match=expected):
             core_devices.start(2)
     assert [p.poll() is not None for p in spawned] == [True, True]  # the healthy one was stopped too

@@ -74,15 +74,18 @@ def test_unknown_algorithms_are_refused_everywhere():
         costmodel.predict_step(costmodel.Compute(1e-6, 0.0), 64, 2, 1e6, LINK, algorithm="bogus")
 
 
-@pytest.mark.parametrize("call, message", [
-    (lambda: costmodel.allreduce_time(1e6, 2.0, LINK), r"n \(the number of devices\) must be a whole number >= 1"),
-    (lambda: costmodel.allreduce_time(1e6, True, LINK), "whole number >= 1, got True"),
-    (lambda: costmodel.fit_alpha_beta([1e3, 1e4], [1, 2], 0), "whole number >= 1, got 0"),
-    (lambda: costmodel.predict_pipeline(1.0, stages=0, micro_batches=4), "stages must be a whole number >= 1"),
-    (lambda: costmodel.predict_pipeline(1.0, stages=2, micro_batches=1.5), "micro_batches must be a whole number"),
-    (lambda: costmodel.fit_alpha_beta([1e3, 1e4, 1e5], [1, 2], 2), "3 sizes but 2 times"),
-    (lambda: costmodel.fit_compute([64, 128, 256], [1.0, 1.1]), "3 batch sizes but 2 times"),
-])
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda: costmodel.allreduce_time(1e6, 2.0, LINK), r"n \(the number of devices\) must be a whole number >= 1"),
+        (lambda: costmodel.allreduce_time(1e6, True, LINK), "whole number >= 1, got True"),
+        (lambda: costmodel.fit_alpha_beta([1e3, 1e4], [1, 2], 0), "whole number >= 1, got 0"),
+        (lambda: costmodel.predict_pipeline(1.0, stages=0, micro_batches=4), "stages must be a whole number >= 1"),
+        (lambda: costmodel.predict_pipeline(1.0, stages=2, micro_batches=1.5), "micro_batches must be a whole number"),
+        (lambda: costmodel.fit_alpha_beta([1e3, 1e4, 1e5], [1, 2], 2), "3 sizes but 2 times"),
+        (lambda: costmodel.fit_compute([64, 128, 256], [1.0, 1.1]), "3 batch sizes but 2 times"),
+    ],
+)
 def test_bad_counts_name_the_argument(call, message):
     with pytest.raises(ValueError, match=message):
         call()

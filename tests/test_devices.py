@@ -126,8 +126,7 @@ def test_simulate_refuses_another_layout_once_started(devs):
 
 
 def _run(code: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)],
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=120)
 
 
 def test_simulate_in_a_fresh_process_sets_threads_and_refuses_after_start():

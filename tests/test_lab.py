@@ -23,11 +23,16 @@ def _free_port() -> int:
 
 def test_make_lab_serves_the_notebooks(tmp_path):
     port, token = _free_port(), "course-test"
-    args = (f"--no-browser --ip=127.0.0.1 --port={port} --IdentityProvider.token={token} "
-            f"--ServerApp.port_retries=0")
+    args = f"--no-browser --ip=127.0.0.1 --port={port} --IdentityProvider.token={token} --ServerApp.port_retries=0"
     env = {**os.environ, "JUPYTER_RUNTIME_DIR": str(tmp_path), "JUPYTER_CONFIG_DIR": str(tmp_path)}
-    proc = subprocess.Popen(["make", "-s", "lab", f"LAB_ARGS={args}"], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(
+        ["make", "-s", "lab", f"LAB_ARGS={args}"],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     try:
         url = f"http://127.0.0.1:{port}/api/contents?token={token}"
         deadline = time.monotonic() + 90
@@ -65,6 +70,7 @@ def _stop(proc: subprocess.Popen) -> None:
 # --- which Python make sets .venv up with ------------------------------------------------
 # These run the Makefile in a scratch directory with fake interpreters that report a chosen
 # version, so no real virtual environment is built.
+
 
 def _fake_python(path: Path, version: str) -> str:
     """An executable that runs `-c CODE ARGS` under this interpreter, claiming to be `version`."""

@@ -19,21 +19,29 @@ def run_script(*args):
     """`python -m tutorial_lib.multi_worker ARGS` without TF_CONFIG: a one-worker job."""
     env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
     env.update(PYTHONPATH=str(ROOT), TF_CPP_MIN_LOG_LEVEL="3")
-    return subprocess.run([sys.executable, "-m", "tutorial_lib.multi_worker", *map(str, args)],
-                          env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "tutorial_lib.multi_worker", *map(str, args)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def resolver(task_type, task_id, jobs=("worker",)):
     return SimpleNamespace(task_type=task_type, task_id=task_id, cluster_spec=lambda: SimpleNamespace(jobs=list(jobs)))
 
 
-@pytest.mark.parametrize("task_type, task_id, jobs, chief", [
-    (None, None, (), True),  # no TF_CONFIG: a one-worker job
-    ("worker", 0, ("worker",), True),
-    ("worker", 1, ("worker",), False),
-    ("chief", 0, ("chief", "worker"), True),
-    ("worker", 0, ("chief", "worker"), False),  # the cluster has a chief of its own
-])
+@pytest.mark.parametrize(
+    "task_type, task_id, jobs, chief",
+    [
+        (None, None, (), True),  # no TF_CONFIG: a one-worker job
+        ("worker", 0, ("worker",), True),
+        ("worker", 1, ("worker",), False),
+        ("chief", 0, ("chief", "worker"), True),
+        ("worker", 0, ("chief", "worker"), False),  # the cluster has a chief of its own
+    ],
+)
 def test_is_chief(task_type, task_id, jobs, chief):
     assert multi_worker.is_chief(resolver(task_type, task_id, jobs)) is chief
 

@@ -30,8 +30,12 @@ def test_numpy_integers_are_whole_numbers():
 def test_gpipe_schedule_for_two_stages():
     f, b = frozenset, frozenset()
     assert pipeline.schedule(2, 2, "gpipe") == [
-        (f({0}), b), (f({0, 1}), b), (f({1}), b),  # forwards: a wave down the stages
-        (b, f({1})), (b, f({0, 1})), (b, f({0})),  # backwards: a wave back up
+        (f({0}), b),
+        (f({0, 1}), b),
+        (f({1}), b),  # forwards: a wave down the stages
+        (b, f({1})),
+        (b, f({0, 1})),
+        (b, f({0})),  # backwards: a wave back up
     ]
 
 
@@ -42,8 +46,11 @@ def test_every_schedule_runs_each_forward_and_backward_once(kind, stages, micro_
     for s in range(stages):
         assert sum(s in f for f, _ in ticks) == micro_batches
         assert sum(s in b for _, b in ticks) == micro_batches
-    expected = {"sequential": 2 * stages * micro_batches, "gpipe": 2 * (micro_batches + stages - 1),
-                "1f1b": micro_batches + 2 * stages - 2}
+    expected = {
+        "sequential": 2 * stages * micro_batches,
+        "gpipe": 2 * (micro_batches + stages - 1),
+        "1f1b": micro_batches + 2 * stages - 2,
+    }
     assert len(ticks) == expected[kind]
 
 

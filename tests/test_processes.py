@@ -54,8 +54,9 @@ def env_with_root() -> dict:
 
 
 SLEEPER = python("import time; time.sleep(300)")
-STUBBORN = python("import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('ready', flush=True); "
-                  "time.sleep(300)")
+STUBBORN = python(
+    "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('ready', flush=True); time.sleep(300)"
+)
 
 
 def test_spawn_stop_and_running_children():
@@ -82,9 +83,11 @@ def test_stop_kills_what_ignores_sigterm_even_from_a_generator():
 
 @linux_only
 def test_stop_reaches_the_childs_whole_process_group():
-    code = ("import subprocess, sys, time; "
-            "g = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)']); "
-            "print(g.pid, flush=True); time.sleep(300)")
+    code = (
+        "import subprocess, sys, time; "
+        "g = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)']); "
+        "print(g.pid, flush=True); time.sleep(300)"
+    )
     child = processes.spawn(python(code), stdout=subprocess.PIPE)
     grandchild = int(child.stdout.readline())
     try:
@@ -107,8 +110,11 @@ time.sleep(300)  # until the test's signal
 
 
 @linux_only
-@pytest.mark.parametrize("ending", ["returns", signal.SIGTERM, signal.SIGHUP, signal.SIGKILL],
-                         ids=["returns", "SIGTERM", "SIGHUP", "SIGKILL"])
+@pytest.mark.parametrize(
+    "ending",
+    ["returns", signal.SIGTERM, signal.SIGHUP, signal.SIGKILL],
+    ids=["returns", "SIGTERM", "SIGHUP", "SIGKILL"],
+)
 def test_a_child_dies_with_its_parent(tmp_path, ending):
     script = tmp_path / "parent.py"
     script.write_text(PARENT)

@@ -66,7 +66,8 @@ def test_notebooks_are_stored_run_and_clean():
             for out in cell["outputs"]:
                 if out["output_type"] == "error":
                     assert "raises-exception" in cell["metadata"].get("tags", []), (
-                        f"{path.name}: unexpected stored error {out['ename']}")
+                        f"{path.name}: unexpected stored error {out['ename']}"
+                    )
 
 
 def test_every_notebook_starts_by_simulating_devices_and_follows_the_template():
@@ -83,10 +84,17 @@ def test_every_notebook_starts_by_simulating_devices_and_follows_the_template():
 
 # --- install hygiene: supported Pythons, license ---------------------------------------
 
+
 def _allows(spec: str, version: tuple[int, int]) -> bool:
     """Whether a version specifier such as '>=3.10,<3.14' admits Python `version`."""
-    checks = {">=": tuple.__ge__, ">": tuple.__gt__, "<=": tuple.__le__, "<": tuple.__lt__,
-              "==": tuple.__eq__, "!=": tuple.__ne__}
+    checks = {
+        ">=": tuple.__ge__,
+        ">": tuple.__gt__,
+        "<=": tuple.__le__,
+        "<": tuple.__lt__,
+        "==": tuple.__eq__,
+        "!=": tuple.__ne__,
+    }
     for clause in spec.split(","):
         op, number = re.fullmatch(r"\s*(>=|<=|==|!=|>|<)\s*([\d.]+)\s*", clause).groups()
         if not checks[op](version, tuple(int(p) for p in number.split("."))[:2]):
@@ -96,8 +104,9 @@ def _allows(spec: str, version: tuple[int, int]) -> bool:
 
 def _makefile_range() -> tuple[tuple[int, int], tuple[int, int]]:
     makefile = (ROOT / "Makefile").read_text()
-    oldest, newest = (re.search(rf"^{name} := (\d+)\.(\d+)$", makefile, re.MULTILINE).groups()
-                      for name in ("PY_OLDEST", "PY_NEWEST"))
+    oldest, newest = (
+        re.search(rf"^{name} := (\d+)\.(\d+)$", makefile, re.MULTILINE).groups() for name in ("PY_OLDEST", "PY_NEWEST")
+    )
     return tuple(map(int, oldest)), tuple(map(int, newest))
 
 
@@ -107,8 +116,10 @@ def test_supported_pythons_are_310_to_313_everywhere():
     conda_python = next(d for d in env["dependencies"] if isinstance(d, str) and _name(d) == "python")
     oldest, newest = _makefile_range()
     assert (oldest, newest) == ((3, 10), (3, 13))
-    for where, spec in (("pyproject.toml", project["requires-python"]),
-                        ("environment.yml", conda_python[len("python"):])):
+    for where, spec in (
+        ("pyproject.toml", project["requires-python"]),
+        ("environment.yml", conda_python[len("python") :]),
+    ):
         # TensorFlow has no stable wheels above 3.13: pip would pick a release candidate.
         assert not _allows(spec, (3, 14)), f"{where} lets Python 3.14 in: {spec!r}"
         assert not _allows(spec, (3, 9)), f"{where} lets Python 3.9 in: {spec!r}"
@@ -133,6 +144,7 @@ def test_license_file_exists_and_pyproject_names_it():
 
 
 # --- stored outputs: no start-up noise, no local paths, the kernel ipykernel installs ----
+
 
 def _clean_tool():
     spec = importlib.util.spec_from_file_location("clean_notebooks", ROOT / "tools" / "clean_notebooks.py")
@@ -178,7 +190,7 @@ def test_stored_outputs_show_no_local_paths():
         for output in _outputs(json.loads(path.read_text())):
             for text in _output_texts(output):
                 found = local.search(text)
-                assert not found, f"{path.name}: local path in an output: ...{text[found.start():][:80]!r}"
+                assert not found, f"{path.name}: local path in an output: ...{text[found.start() :][:80]!r}"
 
 
 def test_notebooks_name_the_kernel_that_ipykernel_installs():
@@ -210,11 +222,13 @@ def _synthetic_notebook() -> dict:
         {"output_type": "error", "ename": "ValueError", "evalue": "bad", "traceback": traceback},
     ]
     return {
-        "cells": [{"cell_type": "code", "source": ["x = 1\n"], "metadata": {}, "execution_count": 1,
-                   "outputs": outputs},
-                  {"cell_type": "markdown", "source": ["/home/ann stays in prose\n"], "metadata": {}}],
+        "cells": [
+            {"cell_type": "code", "source": ["x = 1\n"], "metadata": {}, "execution_count": 1, "outputs": outputs},
+            {"cell_type": "markdown", "source": ["/home/ann stays in prose\n"], "metadata": {}},
+        ],
         "metadata": {"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}},
-        "nbformat": 4, "nbformat_minor": 5,
+        "nbformat": 4,
+        "nbformat_minor": 5,
     }
 
 
@@ -235,8 +249,11 @@ def test_clean_notebooks_drops_noise_shortens_paths_and_names_the_kernel():
     assert "\x1b[32m./tutorial_lib/devices.py:89\x1b[39m" in traceback[2]
     assert "\x1b[32m.../python3.12/json/decoder.py:1\x1b[39m" in traceback[3]
     assert after["cells"][1] == before["cells"][1]
-    assert after["metadata"]["kernelspec"] == {"name": "python3", "display_name": "Python 3 (ipykernel)",
-                                               "language": "python"}
+    assert after["metadata"]["kernelspec"] == {
+        "name": "python3",
+        "display_name": "Python 3 (ipykernel)",
+        "language": "python",
+    }
     assert before == _synthetic_notebook(), "clean() must not change its argument"
     assert tool.clean(after, "/home/ann/course") == after, "cleaning twice changes nothing"
 
@@ -261,19 +278,27 @@ def test_make_notebooks_cleans_what_it_executed(tmp_path):
     (tmp_path / ".venv").mkdir()
     (tmp_path / ".venv" / ".installed").write_text("")  # newer than pyproject.toml: no install
     os.utime(tmp_path / "pyproject.toml", (0, 0))
-    plan = subprocess.run(["make", "-n", "notebooks"], cwd=tmp_path, capture_output=True, text=True,
-                          env={k: v for k, v in os.environ.items() if k != "PYTHON"}, check=True).stdout
+    plan = subprocess.run(
+        ["make", "-n", "notebooks"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env={k: v for k, v in os.environ.items() if k != "PYTHON"},
+        check=True,
+    ).stdout
     execute, clean = plan.index("nbconvert"), plan.index("tools/clean_notebooks.py")
     assert execute < clean
 
 
 # --- TensorFlow's log level, set before TensorFlow starts ------------------------------
 
+
 def _log_level_after_import(**env) -> str:
     base = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
     code = "import os, sys, tutorial_lib; print(os.environ.get('TF_CPP_MIN_LOG_LEVEL'), 'tensorflow' in sys.modules)"
-    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**base, **env},
-                            capture_output=True, text=True, check=True)
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env={**base, **env}, capture_output=True, text=True, check=True
+    )
     return result.stdout.strip()
 
 

@@ -25,7 +25,8 @@ def test_mirrored_train_step_equals_single_device_sgd(devs):
     single = models.MLP(seed=2)
     step = strategy.mirrored_train_step(mirrored, net, sgd, global_batch=32)
     dist = mirrored.experimental_distribute_values_from_function(
-        lambda ctx: (tf.split(x, 4)[ctx.replica_id_in_sync_group], tf.split(y, 4)[ctx.replica_id_in_sync_group]))
+        lambda ctx: (tf.split(x, 4)[ctx.replica_id_in_sync_group], tf.split(y, 4)[ctx.replica_id_in_sync_group])
+    )
     for _ in range(2):
         np.testing.assert_allclose(step(*dist), reference.sgd_step(single, x, y, 0.5), rtol=1e-5)
     for a, b in zip(net.trainable_variables, single.trainable_variables, strict=True):

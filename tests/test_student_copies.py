@@ -7,8 +7,13 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_student_copies_hide_solutions_and_outputs(tmp_path):
-    result = subprocess.run([sys.executable, "tools/student_copies.py", "notebooks", str(tmp_path)],
-                            cwd=ROOT, capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [sys.executable, "tools/student_copies.py", "notebooks", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 0, result.stderr
     originals = sorted((ROOT / "notebooks").glob("*.ipynb"))
     assert sorted(p.name for p in tmp_path.glob("*.ipynb")) == [p.name for p in originals]

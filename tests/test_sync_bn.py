@@ -57,11 +57,13 @@ def test_sync_bn_towers_equal_plain_bn_on_the_global_batch(devs):
         ref = _plain_bn(whole, bn.gamma, bn.beta, bn.epsilon)
         ref_loss = tf.reduce_sum(ref * target)
     np.testing.assert_allclose(tf.concat(outs, 0), ref, rtol=1e-4, atol=1e-5)
-    for g, r in zip(tape.gradient(loss, [bn.gamma, bn.beta]), ref_tape.gradient(ref_loss, [bn.gamma, bn.beta]),
-                    strict=True):
+    for g, r in zip(
+        tape.gradient(loss, [bn.gamma, bn.beta]), ref_tape.gradient(ref_loss, [bn.gamma, bn.beta]), strict=True
+    ):
         np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-5)
-    np.testing.assert_allclose(tf.concat(tape.gradient(loss, xs), 0), ref_tape.gradient(ref_loss, whole),
-                               rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(
+        tf.concat(tape.gradient(loss, xs), 0), ref_tape.gradient(ref_loss, whole), rtol=1e-4, atol=1e-5
+    )
     # moving statistics: one update with the global statistics
     mean, variance = tf.nn.moments(whole, [0])
     np.testing.assert_allclose(bn.moving_mean, 0.1 * mean, rtol=1e-5, atol=1e-6)
@@ -89,7 +91,8 @@ def test_sync_bn_under_mirrored_strategy_matches_keras_synchronized_bn(devs):
         keras_bn = tf.keras.layers.BatchNormalization(synchronized=True, momentum=0.99, epsilon=1e-3)
         keras_bn.build((None, 5))
     dist_x = strategy.experimental_distribute_values_from_function(
-        lambda ctx: tf.constant(x[4 * ctx.replica_id_in_sync_group: 4 * ctx.replica_id_in_sync_group + 4]))
+        lambda ctx: tf.constant(x[4 * ctx.replica_id_in_sync_group : 4 * ctx.replica_id_in_sync_group + 4])
+    )
 
     @tf.function
     def both(xd):
@@ -100,6 +103,7 @@ def test_sync_bn_under_mirrored_strategy_matches_keras_synchronized_bn(devs):
                 b = keras_bn(xr, training=True)
                 la, lb = tf.reduce_sum(a * a * xr), tf.reduce_sum(b * b * xr)
             return a, b, tape.gradient(la, xr), tape.gradient(lb, xr)
+
         return strategy.run(replica, args=(xd,))
 
     a, b, ga, gb = (tf.concat(strategy.experimental_local_results(t), 0) for t in both(dist_x))
@@ -164,7 +168,8 @@ def test_global_variance_stays_exact_when_the_mean_dwarfs_the_spread(devs, mean,
 def _strategy_call(strategy, layer, shards, training=True):
     """Run `layer` on one shard per replica; returns the concatenated outputs."""
     dist_x = strategy.experimental_distribute_values_from_function(
-        lambda ctx: tf.constant(shards[ctx.replica_id_in_sync_group]))
+        lambda ctx: tf.constant(shards[ctx.replica_id_in_sync_group])
+    )
 
     @tf.function
     def run(xd):
@@ -197,7 +202,8 @@ def test_an_empty_replica_shard_contributes_nothing_under_mirrored_strategy(devs
 
     def shards(a):
         return strategy.experimental_distribute_values_from_function(
-            lambda ctx: tf.constant(a[slice(*cuts[ctx.replica_id_in_sync_group])]))
+            lambda ctx: tf.constant(a[slice(*cuts[ctx.replica_id_in_sync_group])])
+        )
 
     @tf.function
     def step(xd, td):
@@ -207,6 +213,7 @@ def test_an_empty_replica_shard_contributes_nothing_under_mirrored_strategy(devs
                 out = bn(xr, training=True)
                 loss = tf.reduce_sum(out * out * tr)
             return out, tape.gradient(loss, xr)
+
         return strategy.run(replica, args=(xd, td))
 
     out, grad = (tf.concat(strategy.experimental_local_results(t), 0) for t in step(shards(x), shards(target)))
@@ -230,8 +237,9 @@ def test_an_empty_tower_contributes_nothing_and_an_empty_global_batch_is_refused
     synced = sync_bn.SyncBatchNorm(4)
     outs = synced.towers(_spread(devs, arrays), devs, training=True)
     assert [int(o.shape[0]) for o in outs] == [3, 0, 2, 4]
-    np.testing.assert_allclose(tf.concat(outs, 0), _plain_bn(whole, synced.gamma, synced.beta, synced.epsilon),
-                               rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(
+        tf.concat(outs, 0), _plain_bn(whole, synced.gamma, synced.beta, synced.epsilon), rtol=1e-4, atol=1e-5
+    )
     np.testing.assert_allclose(synced.moving_mean, 0.1 * mean, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(synced.moving_variance, 0.9 + 0.1 * variance, rtol=1e-5)
     # per-device BN: each non-empty tower on its own; moving statistics weighted by the counts
@@ -240,8 +248,9 @@ def test_an_empty_tower_contributes_nothing_and_an_empty_global_batch_is_refused
     for a, out in zip(arrays, outs, strict=True):
         assert out.shape == a.shape
         if len(a):
-            np.testing.assert_allclose(out, _plain_bn(tf.constant(a), local.gamma, local.beta, local.epsilon),
-                                       rtol=1e-4, atol=1e-5)
+            np.testing.assert_allclose(
+                out, _plain_bn(tf.constant(a), local.gamma, local.beta, local.epsilon), rtol=1e-4, atol=1e-5
+            )
     within = sum(len(a) * a.var(0, dtype=np.float64) for a in arrays if len(a)) / len(whole)
     np.testing.assert_allclose(local.moving_mean, 0.1 * mean, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(local.moving_variance, 0.9 + 0.1 * within, rtol=1e-5)

@@ -66,17 +66,21 @@ def test_independent_work_overlaps(devs):
 
 def test_merged_intervals_do_not_double_count():
     assert timeline._merged([(0, 2), (1, 3), (5, 6)]) == [[0, 3], [5, 6]]
-    events = [timeline.Event("/device:CPU:0", "a", "X", 0, 2),
-              timeline.Event("/device:CPU:0", "b", "X", 1, 4),
-              timeline.Event("/device:CPU:1", "c", "X", 2, 4)]
+    events = [
+        timeline.Event("/device:CPU:0", "a", "X", 0, 2),
+        timeline.Event("/device:CPU:0", "b", "X", 1, 4),
+        timeline.Event("/device:CPU:1", "c", "X", 2, 4),
+    ]
     assert timeline.busy_fraction(events) == {"/device:CPU:0": 1.0, "/device:CPU:1": 0.5}
     assert timeline.mean_busy_devices(events) == 1.5
 
 
 def test_phase_time_splits_busy_time_by_phase():
-    events = [timeline.Event("/device:CPU:0", "MatMul", "MatMul", 0, 2),
-              timeline.Event("/device:CPU:0", "gradient_tape/MatMul", "MatMul", 2, 5),
-              timeline.Event("/device:CPU:1", "AssignSubVariableOp", "AssignSubVariableOp", 5, 6)]
+    events = [
+        timeline.Event("/device:CPU:0", "MatMul", "MatMul", 0, 2),
+        timeline.Event("/device:CPU:0", "gradient_tape/MatMul", "MatMul", 2, 5),
+        timeline.Event("/device:CPU:1", "AssignSubVariableOp", "AssignSubVariableOp", 5, 6),
+    ]
     table = timeline.phase_time(events)
     assert table["/device:CPU:0"] == {"forward": 2, "backward": 3, "reduce": 0, "update": 0, "other": 0}
     assert table["/device:CPU:1"]["update"] == 1
@@ -90,17 +94,20 @@ def test_phases():
     assert timeline.Event("d", "ring_all_reduce/add_3", "AddV2", 0, 1).phase == "reduce"
 
 
-@pytest.mark.parametrize("op, op_type, phase", [
-    # scope names that merely contain a reduce word are not reduce scopes
-    ("tower_0/ToString", "AsString", "forward"),
-    ("moving_average/AssignSub", "AssignSubVariableOp", "update"),
-    ("scattering/MatMul", "MatMul", "forward"),
-    # reduce scopes opened again (TensorFlow's _1, _2), nested, or inside an inlined function
-    ("tower_1/ring_all_reduce_2/add_3", "AddV2", "reduce"),
-    ("StatefulPartitionedCall/average_gradients_1/truediv", "RealDiv", "reduce"),
-    ("nccl_all_reduce/NcclAllReduce", "NcclAllReduce", "reduce"),
-    ("replica_1/CollectiveReduceV2", "CollectiveReduceV2", "reduce"),
-])
+@pytest.mark.parametrize(
+    "op, op_type, phase",
+    [
+        # scope names that merely contain a reduce word are not reduce scopes
+        ("tower_0/ToString", "AsString", "forward"),
+        ("moving_average/AssignSub", "AssignSubVariableOp", "update"),
+        ("scattering/MatMul", "MatMul", "forward"),
+        # reduce scopes opened again (TensorFlow's _1, _2), nested, or inside an inlined function
+        ("tower_1/ring_all_reduce_2/add_3", "AddV2", "reduce"),
+        ("StatefulPartitionedCall/average_gradients_1/truediv", "RealDiv", "reduce"),
+        ("nccl_all_reduce/NcclAllReduce", "NcclAllReduce", "reduce"),
+        ("replica_1/CollectiveReduceV2", "CollectiveReduceV2", "reduce"),
+    ],
+)
 def test_reduce_scopes_are_whole_name_components(op, op_type, phase):
     assert timeline.Event("d", op, op_type, 0, 1).phase == phase
 
@@ -119,8 +126,13 @@ def test_the_packages_reduce_scopes_are_reduce_and_nothing_else_is(devs):
         return twice, central, averaged
 
     ops = timeline.placement(step, tf.ones([8]), tf.ones([8]))
-    scopes = ("ring_all_reduce/", "ring_all_reduce_1/", "central_all_reduce/", "average_gradients/",
-              "average_gradients_1/")
+    scopes = (
+        "ring_all_reduce/",
+        "ring_all_reduce_1/",
+        "central_all_reduce/",
+        "average_gradients/",
+        "average_gradients_1/",
+    )
     assert {s for s in scopes if any(name.startswith(s) for name, _, _ in ops)} == set(scopes)
     for name, op_type, device in ops:
         assert (timeline.Event(device, name, op_type, 0, 1).phase == "reduce") == name.startswith(scopes), name
@@ -155,8 +167,7 @@ def test_trace_removes_its_files_when_fn_raises(tmp_path, monkeypatch):
 
 
 def test_plot_has_a_lane_per_device_and_labelled_axes():
-    events = [timeline.Event("/device:CPU:0", "a", "X", 0, 2),
-              timeline.Event("/device:CPU:1", "c", "X", 2, 4)]
+    events = [timeline.Event("/device:CPU:0", "a", "X", 0, 2), timeline.Event("/device:CPU:1", "c", "X", 2, 4)]
     ax = timeline.plot(events, title="demo")
     assert ax.get_title() == "demo" and ax.get_xlabel() == "time (ms)"
     assert [t.get_text() for t in ax.get_yticklabels()] == ["/device:CPU:0", "/device:CPU:1"]

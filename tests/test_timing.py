@@ -68,12 +68,15 @@ def test_arguments_reach_the_timed_function(monkeypatch):
     assert seen == [(1, 2)] * 3
 
 
-@pytest.mark.parametrize("call, message", [
-    (lambda: timing.median_time(lambda: None, repeats=0), "repeats must be a whole number >= 1"),
-    (lambda: timing.measure(lambda: None, repeats=2.5), "repeats must be a whole number >= 1"),
-    (lambda: timing.measure(lambda: None, warmup=-1), "warmup must be a whole number >= 0"),
-    (lambda: timing.cores_used(lambda: None, repeats=0), "repeats must be a whole number >= 1"),
-])
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda: timing.median_time(lambda: None, repeats=0), "repeats must be a whole number >= 1"),
+        (lambda: timing.measure(lambda: None, repeats=2.5), "repeats must be a whole number >= 1"),
+        (lambda: timing.measure(lambda: None, warmup=-1), "warmup must be a whole number >= 0"),
+        (lambda: timing.cores_used(lambda: None, repeats=0), "repeats must be a whole number >= 1"),
+    ],
+)
 def test_bad_counts_are_refused(call, message):
     with pytest.raises(ValueError, match=message):
         call()
@@ -93,4 +96,3 @@ def test_busy_python_uses_more_cpu_per_wall_second_than_sleeping():
             pass
 
     assert timing.cores_used(spin, repeats=20) > timing.cores_used(time.sleep, 0.005, repeats=20)
-

@@ -36,8 +36,7 @@ def test_split_batch_rejects_mismatched_parts():
 
 
 def test_average_gradients_means_each_variable_and_keeps_none(devs):
-    tower_grads = [[tf.constant([1.0, 2.0]), None, tf.constant(3.0)],
-                   [tf.constant([3.0, 6.0]), None, tf.constant(5.0)]]
+    tower_grads = [[tf.constant([1.0, 2.0]), None, tf.constant(3.0)], [tf.constant([3.0, 6.0]), None, tf.constant(5.0)]]
     avg = towers.average_gradients(tower_grads, device=devs[0])
     np.testing.assert_allclose(avg[0], [2.0, 4.0])
     assert avg[1] is None
@@ -66,8 +65,7 @@ def _pairs(grads, variables):
 
 def test_average_gradients_takes_cifar10_gradient_variable_pairs(devs):
     shared = [tf.Variable([0.0, 0.0]), tf.Variable(0.0), tf.Variable(1.0)]
-    plain = [[tf.constant([1.0, 2.0]), None, tf.constant(3.0)],
-             [tf.constant([3.0, 6.0]), None, tf.constant(5.0)]]
+    plain = [[tf.constant([1.0, 2.0]), None, tf.constant(3.0)], [tf.constant([3.0, 6.0]), None, tf.constant(5.0)]]
     averaged = towers.average_gradients([_pairs(g, shared) for g in plain], device=devs[0])
     assert [v for _, v in averaged] == shared  # tower 0's variables, as cifar10_multi_gpu_train.py does
     expected = towers.average_gradients(plain)

@@ -109,8 +109,9 @@ def dumps(notebook: dict) -> str:
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("notebooks", nargs="+", type=Path)
-    parser.add_argument("--root", default=str(ROOT),
-                        help="the checkout the notebooks ran in, written '.' (default: this one)")
+    parser.add_argument(
+        "--root", default=str(ROOT), help="the checkout the notebooks ran in, written '.' (default: this one)"
+    )
     args = parser.parse_args(argv)
     changed = 0
     for path in args.notebooks:

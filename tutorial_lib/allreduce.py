@@ -35,26 +35,33 @@ def _placed(tensors, devices=None) -> list[str]:
     if devices is None:
         devices = [t.device for t in tensors]
         if not all(devices):
-            raise ValueError("cannot tell which device holds each tensor (inside tf.function, a "
-                             "tensor's device is known only under tf.device); pass devices=[...].")
+            raise ValueError(
+                "cannot tell which device holds each tensor (inside tf.function, a "
+                "tensor's device is known only under tf.device); pass devices=[...]."
+            )
     devices = checks.device_list(devices)
     checks.same_length("tensors", tensors, "devices", devices)
     shapes = {tuple(t.shape) for t in tensors}
     dtypes = {t.dtype for t in tensors}
     if len(shapes) > 1 or len(dtypes) > 1:
-        raise ValueError(f"all-reduce needs tensors of one shape and dtype, got shapes {sorted(shapes)} "
-                         f"and dtypes {sorted(d.name for d in dtypes)}.")
+        raise ValueError(
+            f"all-reduce needs tensors of one shape and dtype, got shapes {sorted(shapes)} "
+            f"and dtypes {sorted(d.name for d in dtypes)}."
+        )
     return [_devices.normalize(d) for d in devices]
 
 
 def _scoped(name):
     """Run the function under a name scope, so that timelines can show its ops as 'reduce'."""
+
     def wrap(fn):
         @functools.wraps(fn)
         def inner(*args, **kwargs):
             with tf.name_scope(name):
                 return fn(*args, **kwargs)
+
         return inner
+
     return wrap
 
 
@@ -63,8 +70,9 @@ def _finish(total, device: str, n: int, average: bool):
         if not average:
             return tf.identity(total)
         if not total.dtype.is_floating:
-            raise ValueError(f"average=True needs a floating dtype, got {total.dtype.name}; "
-                             "cast first or sum with average=False.")
+            raise ValueError(
+                f"average=True needs a floating dtype, got {total.dtype.name}; cast first or sum with average=False."
+            )
         return total / tf.cast(n, total.dtype)
 
 
@@ -135,8 +143,11 @@ def ring_bytes_per_device(num_bytes: int, n: int) -> float:
 
 def central_bytes(num_bytes: int, n: int) -> dict[str, float]:
     """Bytes through the controller in a central all-reduce: N-1 tensors in, N-1 out."""
-    return {"controller in": (n - 1) * num_bytes, "controller out": (n - 1) * num_bytes,
-            "other device sends": float(num_bytes)}
+    return {
+        "controller in": (n - 1) * num_bytes,
+        "controller out": (n - 1) * num_bytes,
+        "other device sends": float(num_bytes),
+    }
 
 
 @_scoped("nccl_all_reduce")
@@ -145,12 +156,15 @@ def nccl_all_reduce(tensors, average: bool = False, devices=None):
     where = _placed(tensors, devices)
     cpus = [d for d in where if "GPU" not in d]
     if cpus:
-        raise RuntimeError(f"NCCL runs on GPUs only, but tensors are on {cpus}. Use "
-                           "ring_all_reduce or central_all_reduce (method='ring' or 'central').")
+        raise RuntimeError(
+            f"NCCL runs on GPUs only, but tensors are on {cpus}. Use "
+            "ring_all_reduce or central_all_reduce (method='ring' or 'central')."
+        )
     layout = _devices.current()
     if layout is not None and not layout.nccl_ok:
-        raise RuntimeError(f"NCCL cannot run on these devices: {layout.reason}. Use "
-                           "ring_all_reduce (method='ring') on logical GPUs.")
+        raise RuntimeError(
+            f"NCCL cannot run on these devices: {layout.reason}. Use ring_all_reduce (method='ring') on logical GPUs."
+        )
     from tensorflow.python.ops import nccl_ops
 
     summed = nccl_ops.all_sum(list(tensors))  # each tensor already on its own GPU
@@ -200,8 +214,10 @@ def allreduce_grads(all_grads, average: bool = True, method: str = "ring", devic
     k = len(grads)
     if k == 1 and not average:
         return _with_variables(grads, variables)
-    per_variable = [[None] * k if column[0] is None else all_reduce(column, method, average, devices)
-                    for column in zip(*grads, strict=True)]  # N x K
+    per_variable = [
+        [None] * k if column[0] is None else all_reduce(column, method, average, devices)
+        for column in zip(*grads, strict=True)
+    ]  # N x K
     return _with_variables([[column[i] for column in per_variable] for i in range(k)], variables)
 
 

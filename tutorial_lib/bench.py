@@ -85,7 +85,8 @@ def _mirrored(devs, hidden, x, y, repeats):
     k, batch = len(devs), int(x.shape[0])
     step = mirrored_train_step(strategy, net, sgd, batch)
     dist = strategy.experimental_distribute_values_from_function(
-        lambda ctx: (tf.split(x, k)[ctx.replica_id_in_sync_group], tf.split(y, k)[ctx.replica_id_in_sync_group]))
+        lambda ctx: (tf.split(x, k)[ctx.replica_id_in_sync_group], tf.split(y, k)[ctx.replica_id_in_sync_group])
+    )
     return measure(step, *dist, repeats=repeats)
 
 
@@ -154,16 +155,29 @@ def allreduce_methods(devs, sizes=(1_000, 100_000, 1_000_000), repeats=15):
             "central": tf.function(lambda ts: allreduce.central_all_reduce(ts, devices=devs)),
             "ring": tf.function(lambda ts: allreduce.ring_all_reduce(ts, devices=devs)),
         }
-        collective = tf.function(lambda size=size: strategy.run(
-            lambda: tf.distribute.get_replica_context().all_reduce("SUM", tf.ones([size]))))
+        collective = tf.function(
+            lambda size=size: strategy.run(
+                lambda: tf.distribute.get_replica_context().all_reduce("SUM", tf.ones([size]))
+            )
+        )
         nbytes = size * 4
         for name, fn in methods.items():
             t, s = measure(fn, tensors, repeats=repeats)
-            rows.append(_row("all-reduce", name, t, s, devices=n, bytes=nbytes,
-                             bus_gb_per_s=2 * (n - 1) / n * nbytes / t / 1e9))
+            rows.append(
+                _row("all-reduce", name, t, s, devices=n, bytes=nbytes, bus_gb_per_s=2 * (n - 1) / n * nbytes / t / 1e9)
+            )
         t, s = measure(collective, repeats=repeats)
-        rows.append(_row("all-reduce", "collective (MirroredStrategy)", t, s, devices=n, bytes=nbytes,
-                         bus_gb_per_s=2 * (n - 1) / n * nbytes / t / 1e9))
+        rows.append(
+            _row(
+                "all-reduce",
+                "collective (MirroredStrategy)",
+                t,
+                s,
+                devices=n,
+                bytes=nbytes,
+                bus_gb_per_s=2 * (n - 1) / n * nbytes / t / 1e9,
+            )
+        )
     return rows
 
 
@@ -190,6 +204,7 @@ def input_pipeline(devs, batch=256, steps=20, read_ms=2.0, repeats=5):
     step = towers.make_train_step(net, devs[:1], 0.01)
     rows = []
     for name, ds in variants.items():
+
         def epoch(ds=ds):
             for xb, yb in ds:
                 loss = step(xb, yb)
@@ -229,8 +244,14 @@ def pipeline_vs_naive(devs, width=512, batch=2048, micro_batches=8, repeats=5):
     rows = [_row("pipeline", "naive split", *measure(naive, x, y, repeats=repeats), devices=2)]
     for kind in ("sequential", "gpipe", "1f1b"):
         pipe = pipeline.Pipeline(stages, pair, micro_batches, learning_rate=0.0, schedule_kind=kind)
-        rows.append(_row("pipeline", f"staged {kind}, M={micro_batches}",
-                         *measure(pipe.train_step, x, y, repeats=repeats), devices=2))
+        rows.append(
+            _row(
+                "pipeline",
+                f"staged {kind}, M={micro_batches}",
+                *measure(pipe.train_step, x, y, repeats=repeats),
+                devices=2,
+            )
+        )
     for row in rows:
         row["speedup_vs_naive"] = rows[0]["ms"] / row["ms"]
     return rows
@@ -244,8 +265,16 @@ def mixed_precision(devs, repeats=10):
     gpus = tf.config.list_physical_devices("GPU")
     capability = tf.config.experimental.get_device_details(gpus[0]).get("compute_capability") if gpus else None
     if "GPU" not in devs[0] or not capability or capability < (7, 0):
-        return [{"case": "mixed precision", "variant": "skipped", "ms": None, "spread_ms": None,
-                 "reason": "no GPU with tensor cores (compute capability 7.0+); CPUs gain nothing from float16"}]
+        return [
+            {
+                "case": "mixed precision",
+                "variant": "skipped",
+                "ms": None,
+                "spread_ms": None,
+                "reason": "no GPU with tensor cores (compute capability 7.0+); CPUs gain nothing from float16",
+            }
+        ]
+
     @tf.function
     def matmul(a):
         with tf.device(devs[0]):
@@ -258,20 +287,31 @@ def mixed_precision(devs, repeats=10):
         with tf.device(devs[0]):
             a = tf.cast(x, dtype)
         t, s = measure(matmul, a, repeats=repeats)
-        rows.append(_row("mixed precision", f"matmul 4096 {dtype.name}", t, s, devices=1,
-                         tflops=2 * 4096**3 / t / 1e12))
+        rows.append(
+            _row("mixed precision", f"matmul 4096 {dtype.name}", t, s, devices=1, tflops=2 * 4096**3 / t / 1e12)
+        )
     return rows
 
 
-CASES = {"weak": weak_scaling, "strong": strong_scaling, "packing": packing, "allreduce": allreduce_methods,
-         "input": input_pipeline, "pipeline": pipeline_vs_naive, "mixed": mixed_precision}
+CASES = {
+    "weak": weak_scaling,
+    "strong": strong_scaling,
+    "packing": packing,
+    "allreduce": allreduce_methods,
+    "input": input_pipeline,
+    "pipeline": pipeline_vs_naive,
+    "mixed": mixed_precision,
+}
 
 
 def format_table(rows) -> str:
     lines = [f"{'case':16s} {'variant':38s} {'devices':>7s} {'ms':>9s} {'spread':>8s}  notes"]
     for r in rows:
-        notes = ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in r.items()
-                          if k not in ("case", "variant", "ms", "spread_ms", "devices"))
+        notes = ", ".join(
+            f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}"
+            for k, v in r.items()
+            if k not in ("case", "variant", "ms", "spread_ms", "devices")
+        )
         ms = "-" if r["ms"] is None else f"{r['ms']:9.3f}"
         spread = "-" if r["spread_ms"] is None else f"{r['spread_ms']:8.3f}"
         lines.append(f"{r['case']:16s} {r['variant']:38s} {r.get('devices', '-')!s:>7s} {ms:>9s} {spread:>8s}  {notes}")
@@ -279,19 +319,26 @@ def format_table(rows) -> str:
 
 
 # Cases that need two devices, with the reason printed when they are skipped on one.
-_NEEDS_TWO_DEVICES = {"packing": "an all-reduce needs 2 or more devices",
-                      "allreduce": "an all-reduce needs 2 or more devices",
-                      "pipeline": "a 2-stage pipeline needs 2 devices"}
+_NEEDS_TWO_DEVICES = {
+    "packing": "an all-reduce needs 2 or more devices",
+    "allreduce": "an all-reduce needs 2 or more devices",
+    "pipeline": "a 2-stage pipeline needs 2 devices",
+}
 
 
 def _parser():
     import argparse
     import os
 
-    parser = argparse.ArgumentParser(prog="python -m tutorial_lib.bench",
-                                     description="Measure the course's cases on this machine's devices.")
-    parser.add_argument("--devices", type=int, default=min(2, os.cpu_count() or 1),
-                        help="devices to use (default: 2, or the number of cores if fewer)")
+    parser = argparse.ArgumentParser(
+        prog="python -m tutorial_lib.bench", description="Measure the course's cases on this machine's devices."
+    )
+    parser.add_argument(
+        "--devices",
+        type=int,
+        default=min(2, os.cpu_count() or 1),
+        help="devices to use (default: 2, or the number of cores if fewer)",
+    )
     parser.add_argument("--hidden", type=int, default=256, help="width of the MLP's two hidden layers")
     parser.add_argument("--batch", type=int, default=256, help="examples per device")
     parser.add_argument("--repeats", type=int, default=15, help="timed runs per figure (median reported)")
@@ -317,8 +364,7 @@ def _parse(argv):
 def _selected_cases(parser, text: str) -> list[str]:
     cases = list(dict.fromkeys(c.strip() for c in text.split(",") if c.strip()))  # each once, in order
     if not cases:
-        parser.error(f"--cases {text!r} names no case; give one or more of {','.join(CASES)}, "
-                     "separated by commas")
+        parser.error(f"--cases {text!r} names no case; give one or more of {','.join(CASES)}, separated by commas")
     unknown = sorted(set(cases) - set(CASES))
     if unknown:
         parser.error(f"unknown case(s) {unknown}; choose from {','.join(CASES)}")
@@ -337,10 +383,15 @@ def _check_json_path(parser, path: str) -> None:
 
 def _case_options(args) -> dict[str, dict]:
     hidden = (args.hidden, args.hidden)
-    return {"weak": dict(hidden=hidden, per_device=args.batch, repeats=args.repeats),
-            "strong": dict(hidden=hidden, global_batch=args.batch * args.devices, repeats=args.repeats),
-            "packing": dict(repeats=args.repeats), "allreduce": dict(repeats=args.repeats),
-            "input": dict(batch=args.batch), "pipeline": {}, "mixed": {}}
+    return {
+        "weak": dict(hidden=hidden, per_device=args.batch, repeats=args.repeats),
+        "strong": dict(hidden=hidden, global_batch=args.batch * args.devices, repeats=args.repeats),
+        "packing": dict(repeats=args.repeats),
+        "allreduce": dict(repeats=args.repeats),
+        "input": dict(batch=args.batch),
+        "pipeline": {},
+        "mixed": {},
+    }
 
 
 def _run_cases(cases, devs, options) -> list[dict]:
@@ -366,8 +417,11 @@ def main(argv=None) -> int:
     args, cases = _parse(argv)
     cores = os.cpu_count() or 1
     if args.devices > cores:
-        print(f"warning: {args.devices} simulated devices on {cores} cores: at most {cores} run at once, so "
-              "speedups beyond that show correctness, not speed (notebook 00).", file=sys.stderr)
+        print(
+            f"warning: {args.devices} simulated devices on {cores} cores: at most {cores} run at once, so "
+            "speedups beyond that show correctness, not speed (notebook 00).",
+            file=sys.stderr,
+        )
 
     from . import devices
 

@@ -20,15 +20,16 @@ def whole_number(value, name: str, minimum: int = 1) -> int:
 def same_length(name_a: str, a, name_b: str, b) -> None:
     """Refuse two lists that are meant to pair up one to one but do not."""
     if len(a) != len(b):
-        raise ValueError(f"{len(a)} {name_a} but {len(b)} {name_b}: they pair up one to one, "
-                         f"so pass one {name_b.rstrip('s')} per {name_a.rstrip('s')}.")
+        raise ValueError(
+            f"{len(a)} {name_a} but {len(b)} {name_b}: they pair up one to one, "
+            f"so pass one {name_b.rstrip('s')} per {name_a.rstrip('s')}."
+        )
 
 
 def device_list(devices, name: str = "devices") -> list[str]:
     """A non-empty list of device names; a lone string is refused, not read letter by letter."""
     if isinstance(devices, str):
-        raise TypeError(f"{name} must be a list of device names, got the string {devices!r}; "
-                        f"write [{devices!r}].")
+        raise TypeError(f"{name} must be a list of device names, got the string {devices!r}; write [{devices!r}].")
     devices = list(devices)
     if not devices:
         raise ValueError(f"{name} is empty: pass at least one device name, such as '/device:CPU:0'.")

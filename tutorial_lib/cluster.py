@@ -80,8 +80,9 @@ def _checked_ports(ports, workers: int) -> list[int]:
         raise ValueError(f"ports {ports} repeat a port: each worker needs a port of its own.")
     busy = [p for p in ports if not port_is_free(p)]
     if busy:
-        raise ClusterError(f"port(s) {busy} already in use on 127.0.0.1: stop what holds them, "
-                           "or leave ports=None to pick free ones.")
+        raise ClusterError(
+            f"port(s) {busy} already in use on 127.0.0.1: stop what holds them, or leave ports=None to pick free ones."
+        )
     return ports
 
 
@@ -175,8 +176,10 @@ class Cluster:
                     raise self._failure(failed[0])
                 if time.monotonic() > deadline:
                     hung = [i for i, p in enumerate(self.processes) if p.poll() is None]
-                    raise ClusterError(f"worker(s) {hung} still running after {timeout:.0f} s; stopped them all. "
-                                       f"Log tail of worker {hung[0]}:\n{self.tail(hung[0])}")
+                    raise ClusterError(
+                        f"worker(s) {hung} still running after {timeout:.0f} s; stopped them all. "
+                        f"Log tail of worker {hung[0]}:\n{self.tail(hung[0])}"
+                    )
                 time.sleep(0.1)
         except BaseException:  # a failure, a timeout, or Ctrl-C / Kernel > Interrupt
             self.stop()
@@ -190,8 +193,10 @@ class Cluster:
     def _failure(self, index: int) -> ClusterError:
         code = self.processes[index].poll()
         self.stop()
-        return ClusterError(f"worker {index} exited with status {code}; stopped the others. "
-                            f"Log tail of worker {index}:\n{self.tail(index)}")
+        return ClusterError(
+            f"worker {index} exited with status {code}; stopped the others. "
+            f"Log tail of worker {index}:\n{self.tail(index)}"
+        )
 
     def kill(self, index: int) -> None:
         """Kill one worker at once (SIGKILL), as a crash would."""

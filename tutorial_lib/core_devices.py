@@ -108,16 +108,23 @@ def start(n: int, timeout: float | None = None) -> list[str]:
 
 
 def _worker_command(task: int, core: int, addresses: list[str]) -> list[str]:
-    return [sys.executable, core_worker.__file__, "--task", str(task), "--core", str(core),
-            "--cluster", ",".join(addresses)]
+    return [
+        sys.executable,
+        core_worker.__file__,
+        "--task",
+        str(task),
+        "--core",
+        str(core),
+        "--cluster",
+        ",".join(addresses),
+    ]
 
 
 def _spawn(task: int, core: int, addresses: list[str], log_dir: Path) -> Worker:
     log = log_dir / f"worker{task}.log"
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}  # a core device is a CPU: leave any GPU alone
     with open(log, "w") as out:
-        process = processes.spawn(_worker_command(task, core, addresses), env=env,
-                                  stdout=out, stderr=subprocess.STDOUT)
+        process = processes.spawn(_worker_command(task, core, addresses), env=env, stdout=out, stderr=subprocess.STDOUT)
     return Worker(task, core, addresses[task], log, process)
 
 
@@ -137,15 +144,19 @@ def _wait_until_ready(started: list[Worker], timeout: float) -> None:
 
 
 def _exited_message(worker: Worker) -> str:
-    return (f"core device {worker.task} did not start: its worker (a TensorFlow server for {worker.address} "
-            f"on core {worker.core}) exited with status {worker.process.poll()}, and the other workers were "
-            "stopped. Call simulate again to retry on other ports; if it fails again, its log says why. "
-            f"Last lines of {worker.log}:\n{worker.tail()}")
+    return (
+        f"core device {worker.task} did not start: its worker (a TensorFlow server for {worker.address} "
+        f"on core {worker.core}) exited with status {worker.process.poll()}, and the other workers were "
+        "stopped. Call simulate again to retry on other ports; if it fails again, its log says why. "
+        f"Last lines of {worker.log}:\n{worker.tail()}"
+    )
 
 
 def _late_message(waiting: list[Worker], timeout: float) -> str:
     first = waiting[0]
-    return (f"core device(s) {[w.task for w in waiting]} not ready after {timeout:.0f} s, so every worker "
-            "was stopped. A busy machine starts TensorFlow slowly: raise "
-            "tutorial_lib.core_devices.START_TIMEOUT_S and call simulate again. "
-            f"Last lines of {first.log}:\n{first.tail()}")
+    return (
+        f"core device(s) {[w.task for w in waiting]} not ready after {timeout:.0f} s, so every worker "
+        "was stopped. A busy machine starts TensorFlow slowly: raise "
+        "tutorial_lib.core_devices.START_TIMEOUT_S and call simulate again. "
+        f"Last lines of {first.log}:\n{first.tail()}"
+    )

@@ -31,16 +31,24 @@ def main(argv=None) -> None:
         os.sched_setaffinity(0, {args.core})
     import tensorflow as tf
 
-    config = tf.compat.v1.ConfigProto(intra_op_parallelism_threads=1,
-                                      inter_op_parallelism_threads=INTER_OP_THREADS)
+    config = tf.compat.v1.ConfigProto(intra_op_parallelism_threads=1, inter_op_parallelism_threads=INTER_OP_THREADS)
     try:
-        server = tf.distribute.Server(tf.train.ClusterSpec({"worker": addresses}), job_name="worker",
-                                      task_index=args.task, protocol="grpc", config=config, start=True)
+        server = tf.distribute.Server(
+            tf.train.ClusterSpec({"worker": addresses}),
+            job_name="worker",
+            task_index=args.task,
+            protocol="grpc",
+            config=config,
+            start=True,
+        )
     except tf.errors.OpError as err:  # most often: another program took the port since it was picked
         sys.exit(f"core worker {args.task} cannot serve {addresses[args.task]} (is the port taken?): {err}")
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else "any"
-    print(f"{READY}: task {args.task} (pid {os.getpid()}) serving {addresses[args.task]} on core(s) {cores}, "
-          f"intra-op threads 1, inter-op threads {INTER_OP_THREADS}", flush=True)
+    print(
+        f"{READY}: task {args.task} (pid {os.getpid()}) serving {addresses[args.task]} on core(s) {cores}, "
+        f"intra-op threads 1, inter-op threads {INTER_OP_THREADS}",
+        flush=True,
+    )
     server.join()
 
 

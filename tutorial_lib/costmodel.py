@@ -47,10 +47,16 @@ class Hardware:
 
 
 # Round numbers of public specifications, discounted to what training sustains.
-GPU_NODE = Hardware("8 GPUs on NVLink (A100 class: 100 TFLOP/s sustained, 150 GB/s, 10 us)",
-                    flops=100e12, link=AlphaBeta(alpha=10e-6, beta=1 / 150e9))
-GPU_CLUSTER = Hardware("GPU nodes on 100 Gb/s InfiniBand (12.5 GB/s, 20 us per message)",
-                       flops=100e12, link=AlphaBeta(alpha=20e-6, beta=1 / 12.5e9))
+GPU_NODE = Hardware(
+    "8 GPUs on NVLink (A100 class: 100 TFLOP/s sustained, 150 GB/s, 10 us)",
+    flops=100e12,
+    link=AlphaBeta(alpha=10e-6, beta=1 / 150e9),
+)
+GPU_CLUSTER = Hardware(
+    "GPU nodes on 100 Gb/s InfiniBand (12.5 GB/s, 20 us per message)",
+    flops=100e12,
+    link=AlphaBeta(alpha=20e-6, beta=1 / 12.5e9),
+)
 
 
 # Each all-reduce over n devices as (messages sent one after another, bytes through the
@@ -98,14 +104,16 @@ def fit_compute(batch_sizes, seconds) -> Compute:
     return Compute(max(float(slope), 0.0), max(float(intercept), 0.0))
 
 
-def predict_step(compute: Compute, per_device_batch: int, n: int, gradient_bytes: float,
-                 link: AlphaBeta, algorithm: str = "ring") -> float:
+def predict_step(
+    compute: Compute, per_device_batch: int, n: int, gradient_bytes: float, link: AlphaBeta, algorithm: str = "ring"
+) -> float:
     """Seconds of one data-parallel step: compute, then the gradient all-reduce."""
     return compute.fixed + compute.per_example * per_device_batch + allreduce_time(gradient_bytes, n, link, algorithm)
 
 
-def weak_scaling_efficiency(compute: Compute, per_device_batch: int, n: int, gradient_bytes: float,
-                            link: AlphaBeta, algorithm: str = "ring") -> float:
+def weak_scaling_efficiency(
+    compute: Compute, per_device_batch: int, n: int, gradient_bytes: float, link: AlphaBeta, algorithm: str = "ring"
+) -> float:
     """Throughput on n devices over n times the throughput on one (1.0 = perfect)."""
     one = predict_step(compute, per_device_batch, 1, gradient_bytes, link, algorithm)
     return one / predict_step(compute, per_device_batch, n, gradient_bytes, link, algorithm)

@@ -43,8 +43,9 @@ def _prepare(images, labels):
     return images, np.asarray(labels, dtype=np.int32)
 
 
-def make_dataset(x, y, batch_size: int, shuffle: bool = True, seed: int = 0,
-                 repeat: bool = False, drop_remainder: bool = True):
+def make_dataset(
+    x, y, batch_size: int, shuffle: bool = True, seed: int = 0, repeat: bool = False, drop_remainder: bool = True
+):
     """A tf.data pipeline of (images, labels) batches: shuffled, batched, prefetched.
 
     `drop_remainder=True` keeps every batch the same size, so that it splits evenly across

@@ -79,7 +79,10 @@ def plan(n: int, kind: str = "auto", physical_gpus: int = 0) -> Layout:
     if physical_gpus >= n:
         return Layout("GPU", n, "real", True, f"{physical_gpus} GPUs found", "real")
     return Layout(
-        "GPU", n, "simulated", False,
+        "GPU",
+        n,
+        "simulated",
+        False,
         f"{physical_gpus} GPU(s) for {n} devices: NCCL refuses several ranks on one "
         "physical GPU ('Duplicate GPU detected')",
         "logical",

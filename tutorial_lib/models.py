@@ -112,8 +112,7 @@ def cnn_stages(input_shape=(8, 8, 1), num_classes: int = 10, seed: int = 0, devi
     builders = [
         lambda: [Conv2D(channels, 32, seed), Conv2D(32, 64, seed + 1), MaxPool()],
         lambda: [Conv2D(64, 128, seed + 2), MaxPool(), Conv2D(128, 64, seed + 3), MaxPool()],
-        lambda: [Flatten(), Dense(flat, 1500, relu=True, seed=seed + 4),
-                 Dense(1500, num_classes, seed=seed + 5)],
+        lambda: [Flatten(), Dense(flat, 1500, relu=True, seed=seed + 4), Dense(1500, num_classes, seed=seed + 5)],
     ]
     if devices is not None and len(devices) != len(builders):
         raise ValueError(f"the CNN has {len(builders)} stages but {len(devices)} devices were given.")
@@ -126,9 +125,7 @@ def cnn_stages(input_shape=(8, 8, 1), num_classes: int = 10, seed: int = 0, devi
 
 def cross_entropy(logits, labels):
     """Mean softmax cross-entropy of integer labels."""
-    return tf.reduce_mean(
-        tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits)
-    )
+    return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits))
 
 
 def accuracy(logits, labels) -> tf.Tensor:

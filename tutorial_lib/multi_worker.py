@@ -64,8 +64,10 @@ def checkpoint_dir(base: str, resolver) -> str:
 
 def _check_crash_worker(args, workers: int) -> None:
     if args.crash_at is not None and args.crash_worker >= workers:
-        raise SystemExit(f"error: --crash-worker {args.crash_worker} is not a worker of this {workers}-worker job; "
-                         f"give a worker index from 0 to {workers - 1}.")
+        raise SystemExit(
+            f"error: --crash-worker {args.crash_worker} is not a worker of this {workers}-worker job; "
+            f"give a worker index from 0 to {workers - 1}."
+        )
 
 
 def _crash_drill(strategy, me: int, crash_worker: int, k: int) -> None:
@@ -111,11 +113,15 @@ def train(args) -> int:
     if latest:
         checkpoint.restore(latest)
     start = int(step.numpy())
-    print(f"worker {me}/{workers}: {'resumed from checkpoint at step ' + str(start) if latest else 'fresh start'}",
-          flush=True)
+    print(
+        f"worker {me}/{workers}: {'resumed from checkpoint at step ' + str(start) if latest else 'fresh start'}",
+        flush=True,
+    )
     if start >= args.steps:
-        print(f"worker {me}: the job is complete (checkpoint at step {start}, --steps {args.steps}); "
-              "nothing to do", flush=True)
+        print(
+            f"worker {me}: the job is complete (checkpoint at step {start}, --steps {args.steps}); nothing to do",
+            flush=True,
+        )
         return 0
 
     def dataset_fn(context):
@@ -156,8 +162,9 @@ def parse(argv=None):
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--crash-at", type=int, default=None, help="step after which --crash-worker dies")
     parser.add_argument("--crash-worker", type=int, default=1, help="index of the worker that dies at --crash-at")
-    parser.add_argument("--collective-timeout", type=float, default=15.0,
-                        help="seconds a worker waits for a dead peer before failing")
+    parser.add_argument(
+        "--collective-timeout", type=float, default=15.0, help="seconds a worker waits for a dead peer before failing"
+    )
     args = parser.parse_args(argv)
     if args.steps < 1 or args.batch < 1 or args.checkpoint_every < 1:
         parser.error("--steps, --batch and --checkpoint-every must be >= 1")

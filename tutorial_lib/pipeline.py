@@ -91,8 +91,9 @@ class Buffer:
     def _area(self):
         # Each graph needs its own StagingArea object; the shared name makes them one buffer.
         with tf.device(self.device):
-            return data_flow_ops.StagingArea([self.dtype], shapes=[self.shape], capacity=self.capacity,
-                                             shared_name=self.shared_name)
+            return data_flow_ops.StagingArea(
+                [self.dtype], shapes=[self.shape], capacity=self.capacity, shared_name=self.shared_name
+            )
 
     def put_op(self, value):
         with tf.device(self.device), tf.name_scope(self.name):
@@ -105,14 +106,18 @@ class Buffer:
 
     def will_get(self) -> None:
         if self.count == 0:
-            raise PipelineError(f"buffer '{self.name}' on {self.device} is empty: a get would wait forever. "
-                                "Run the ticks of the schedule in order, starting from a put.")
+            raise PipelineError(
+                f"buffer '{self.name}' on {self.device} is empty: a get would wait forever. "
+                "Run the ticks of the schedule in order, starting from a put."
+            )
         self.count -= 1
 
     def will_put(self) -> None:
         if self.count == self.capacity:
-            raise PipelineError(f"buffer '{self.name}' on {self.device} is full ({self.capacity} items): a put "
-                                "would wait for a get that never comes. Give it a larger capacity.")
+            raise PipelineError(
+                f"buffer '{self.name}' on {self.device} is full ({self.capacity} items): a put "
+                "would wait for a get that never comes. Give it a larger capacity."
+            )
         self.count += 1
 
     def size(self) -> int:
@@ -134,8 +139,15 @@ class Pipeline:
     `gradients(x, y)` runs the same ticks without the update.
     """
 
-    def __init__(self, stages, devices, micro_batches: int, learning_rate: float,
-                 schedule_kind: str = "gpipe", loss_fn=models.cross_entropy):
+    def __init__(
+        self,
+        stages,
+        devices,
+        micro_batches: int,
+        learning_rate: float,
+        schedule_kind: str = "gpipe",
+        loss_fn=models.cross_entropy,
+    ):
         if not stages or len(stages) != len(devices):
             raise ValueError(f"need one device per stage, got {len(stages)} stages and {len(devices)} devices.")
         self.ticks = schedule(len(stages), micro_batches, schedule_kind)
@@ -158,8 +170,9 @@ class Pipeline:
                     h = stage(h)
             except (tf.errors.InvalidArgumentError, ValueError) as err:
                 after = f"the output of stage {s - 1}" if s else "the micro-batch"
-                raise ValueError(f"stage {s} cannot take {after}, of shape {h.shape}: "
-                                 f"{str(err).splitlines()[0]}") from None
+                raise ValueError(
+                    f"stage {s} cannot take {after}, of shape {h.shape}: {str(err).splitlines()[0]}"
+                ) from None
             inputs.append(h.shape)
         self.x_buffer = Buffer("inputs", self.devices[0], x.dtype, inputs[0], M)
         self.y_buffer = Buffer("labels", self.devices[-1], y.dtype, [mb], M)
@@ -170,8 +183,9 @@ class Pipeline:
         self.accumulators = []
         for stage, device in zip(self.stages, self.devices, strict=True):
             with tf.device(device):
-                self.accumulators.append([tf.Variable(tf.zeros_like(v), trainable=False)
-                                          for v in stage.trainable_variables])
+                self.accumulators.append(
+                    [tf.Variable(tf.zeros_like(v), trainable=False) for v in stage.trainable_variables]
+                )
         with tf.device(self.devices[-1]):
             self.loss_sum = tf.Variable(0.0, trainable=False)
         self._batch_shape = x.shape
@@ -295,7 +309,8 @@ class Pipeline:
         key = ("inputs", tuple(x.shape), x.dtype, y.dtype)
         if key not in self._functions:
             self._functions[key] = tf.function(put_all).get_concrete_function(
-                tf.TensorSpec(x.shape, x.dtype), tf.TensorSpec(y.shape, y.dtype))
+                tf.TensorSpec(x.shape, x.dtype), tf.TensorSpec(y.shape, y.dtype)
+            )
         for _ in range(M):
             self.x_buffer.will_put()
             self.y_buffer.will_put()
@@ -309,7 +324,8 @@ class Pipeline:
             raise ValueError(
                 f"a batch of {x.shape[0]} examples (and {y.shape[0]} labels) does not split into "
                 f"{self.micro_batches} equal micro-batches. Use a batch size that is a multiple of "
-                f"{self.micro_batches}, or batch with drop_remainder=True.")
+                f"{self.micro_batches}, or batch with drop_remainder=True."
+            )
         if self._batch_shape is None:
             self._build(x, y)
         elif x.shape != self._batch_shape:

@@ -50,8 +50,9 @@ def spawn(command, *, env=None, stdout=None, stderr=None, cwd=None) -> subproces
     """Start `command` (a list) as a child that is stopped when this process ends."""
     _install_handlers()
     preexec = _die_with(os.getpid()) if sys.platform.startswith("linux") else None
-    process = subprocess.Popen(command, env=env, stdout=stdout, stderr=stderr, cwd=cwd,
-                               start_new_session=True, preexec_fn=preexec)
+    process = subprocess.Popen(
+        command, env=env, stdout=stdout, stderr=stderr, cwd=cwd, start_new_session=True, preexec_fn=preexec
+    )
     with _lock:
         _children[:] = [p for p in _children if p.poll() is None]
         _children.append(process)

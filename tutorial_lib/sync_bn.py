@@ -36,16 +36,20 @@ def _axes(x, axis: int):
     """The axes to reduce over: all but the feature axis."""
     rank = x.shape.rank
     if rank is None or not -rank <= axis < rank:
-        raise ValueError(f"axis {axis} does not exist in a tensor of shape {x.shape}; "
-                         "use -1 for the features of (batch, ..., features) tensors.")
+        raise ValueError(
+            f"axis {axis} does not exist in a tensor of shape {x.shape}; "
+            "use -1 for the features of (batch, ..., features) tensors."
+        )
     feature = axis % rank
     return [a for a in range(rank) if a != feature]
 
 
 def _check_floating(x) -> None:
     if not x.dtype.is_floating:
-        raise TypeError(f"batch norm normalizes floating-point tensors, got {x.dtype.name}; "
-                        "convert the input first, e.g. tf.cast(x, tf.float32).")
+        raise TypeError(
+            f"batch norm normalizes floating-point tensors, got {x.dtype.name}; "
+            "convert the input first, e.g. tf.cast(x, tf.float32)."
+        )
 
 
 def local_moments(x, axis: int = -1):
@@ -91,8 +95,10 @@ def _check_batches(xs, axis: int) -> None:
     if len(features) != 1:
         raise ValueError(f"every device needs the same number of features on axis {axis}, got {sorted(features)}.")
     if all(x.shape.num_elements() == 0 for x in xs):
-        raise ValueError("every device's batch is empty: there is nothing to normalize. Give at least one "
-                         "device an example (an empty device batch is fine as long as another has some).")
+        raise ValueError(
+            "every device's batch is empty: there is nothing to normalize. Give at least one "
+            "device an example (an empty device batch is fine as long as another has some)."
+        )
 
 
 def _global_statistics(xs, places, axis: int, method: str):
@@ -127,8 +133,9 @@ def global_moments(xs, axis: int = -1, devices=None, method: str = "ring"):
     _check_batches(xs, axis)
     places = _places(xs, devices)
     stats = _global_statistics(xs, places, axis, method)
-    return [(tf.cast(mean, x.dtype), tf.cast(variance, x.dtype))
-            for x, (_, mean, variance) in zip(xs, stats, strict=True)]
+    return [
+        (tf.cast(mean, x.dtype), tf.cast(variance, x.dtype)) for x, (_, mean, variance) in zip(xs, stats, strict=True)
+    ]
 
 
 class SyncBatchNorm(tf.Module):
@@ -144,8 +151,9 @@ class SyncBatchNorm(tf.Module):
     input), output in the input's dtype. A device with an empty batch contributes nothing.
     """
 
-    def __init__(self, num_features: int, momentum: float = 0.9, epsilon: float = 1e-3,
-                 synchronized: bool = True, name=None):
+    def __init__(
+        self, num_features: int, momentum: float = 0.9, epsilon: float = 1e-3, synchronized: bool = True, name=None
+    ):
         super().__init__(name=name)
         self.momentum, self.epsilon, self.synchronized = momentum, epsilon, synchronized
         self.num_features = checks.whole_number(num_features, "num_features")
@@ -165,15 +173,18 @@ class SyncBatchNorm(tf.Module):
         _check_floating(x)
         features = x.shape[-1] if x.shape.rank else None
         if features is not None and features != self.num_features:
-            raise ValueError(f"this SyncBatchNorm was built for {self.num_features} features, but the input's "
-                             f"last axis has {features} (shape {x.shape}); build it with "
-                             f"SyncBatchNorm({features}) or feed tensors with {self.num_features} features.")
+            raise ValueError(
+                f"this SyncBatchNorm was built for {self.num_features} features, but the input's "
+                f"last axis has {features} (shape {x.shape}); build it with "
+                f"SyncBatchNorm({features}) or feed tensors with {self.num_features} features."
+            )
 
     def _normalize(self, x, mean, variance):
         """Normalize in float32 (float64 for float64 input) and return the input's dtype."""
         compute = tf.float64 if x.dtype == tf.float64 else tf.float32
-        y = tf.nn.batch_normalization(*(tf.cast(t, compute) for t in (x, mean, variance, self.beta, self.gamma)),
-                                      self.epsilon)
+        y = tf.nn.batch_normalization(
+            *(tf.cast(t, compute) for t in (x, mean, variance, self.beta, self.gamma)), self.epsilon
+        )
         return tf.cast(y, x.dtype)
 
     def _update_moving(self, count, mean, variance) -> None:
@@ -223,8 +234,9 @@ class SyncBatchNorm(tf.Module):
         replicas = context.num_replicas_in_sync if context is not None else 1
         if self.synchronized and replicas > 1:
             # One all-reduce that gathers every replica's row (see the module docstring).
-            rows = context.all_reduce(tf.distribute.ReduceOp.SUM,
-                                      _in_slot(row, context.replica_id_in_sync_group, replicas))
+            rows = context.all_reduce(
+                tf.distribute.ReduceOp.SUM, _in_slot(row, context.replica_id_in_sync_group, replicas)
+            )
         else:
             rows = row[None]
         count, mean, variance = combine_moments(rows)

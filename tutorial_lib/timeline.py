@@ -26,12 +26,23 @@ from .devices import normalize
 
 # Bookkeeping ops that move or name data but do no work worth drawing.
 _SKIP_TYPES = {"_Send", "_Recv", "_HostSend", "_HostRecv", "NoOp", "Const", "_Arg", "_Retval"}
-PHASE_COLORS = {"forward": "tab:blue", "backward": "tab:orange", "reduce": "tab:purple",
-                "update": "tab:green", "other": "tab:gray"}
+PHASE_COLORS = {
+    "forward": "tab:blue",
+    "backward": "tab:orange",
+    "reduce": "tab:purple",
+    "update": "tab:green",
+    "other": "tab:gray",
+}
 # Name scopes that mark gradient communication (averaging, all-reduce): towers.average_gradients,
 # allreduce's reducers (and the notebooks' copies), and common names for the same work.
-_REDUCE_SCOPES = ("average_gradients", "central_all_reduce", "ring_all_reduce", "nccl_all_reduce",
-                 "all_reduce", "allreduce")
+_REDUCE_SCOPES = (
+    "average_gradients",
+    "central_all_reduce",
+    "ring_all_reduce",
+    "nccl_all_reduce",
+    "all_reduce",
+    "allreduce",
+)
 # A whole component of an op's name: `tower_0/ring_all_reduce_1/add` matches (TensorFlow adds
 # _1, _2, ... to a scope opened twice), `tower_0/ToString` or `moving_average/AssignSub` do not.
 _REDUCE_SCOPE = re.compile(f"({'|'.join(_REDUCE_SCOPES)})(_[0-9]+)?")
@@ -143,8 +154,12 @@ class _Raw(NamedTuple):
 
 
 def _read_events(logdir: str, where: dict[str, str]) -> list[Event]:
-    raw = [r for path in glob.glob(f"{logdir}/**/*.xplane.pb", recursive=True)
-           for plane in _load_space(path).planes for r in _plane_events(plane, where)]
+    raw = [
+        r
+        for path in glob.glob(f"{logdir}/**/*.xplane.pb", recursive=True)
+        for plane in _load_space(path).planes
+        for r in _plane_events(plane, where)
+    ]
     # On GPUs the host plane only shows kernel launches; keep the GPU plane's kernels.
     gpu_timed = any(r.on_gpu_plane for r in raw)
     raw = [r for r in raw if r.on_gpu_plane or not (gpu_timed and "GPU" in r.device)]
@@ -220,8 +235,9 @@ def busy_fraction(events, devices=None) -> dict[str, float]:
         raise ValueError("no events: was anything traced? trace() returns [] when no op ran.")
     devices = [normalize(d) for d in devices] if devices else sorted({e.device for e in events})
     total = span(events)
-    return {d: sum(b - a for a, b in _merged((e.start, e.end) for e in events if e.device == d)) / total
-            for d in devices}
+    return {
+        d: sum(b - a for a, b in _merged((e.start, e.end) for e in events if e.device == d)) / total for d in devices
+    }
 
 
 def phase_time(events) -> dict[str, dict[str, float]]:
@@ -259,6 +275,10 @@ def plot(events, devices=None, title="Per-device timeline", ax=None):
     ax.set_ylabel("device")
     ax.set_title(title)
     used = {e.phase for e in events}
-    ax.legend(handles=[Patch(color=c, label=p) for p, c in PHASE_COLORS.items() if p in used],
-              loc="upper left", bbox_to_anchor=(1.01, 1), fontsize="small")
+    ax.legend(
+        handles=[Patch(color=c, label=p) for p, c in PHASE_COLORS.items() if p in used],
+        loc="upper left",
+        bbox_to_anchor=(1.01, 1),
+        fontsize="small",
+    )
     return ax

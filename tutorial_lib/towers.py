@@ -46,8 +46,10 @@ def unzip_tower_grads(tower_grads):
     """
     kinds = {_is_pair(entry) for tower in tower_grads for entry in tower}
     if len(kinds) > 1:
-        raise ValueError("tower gradients mix (gradient, variable) pairs and plain gradients: "
-                         "give every tower the same kind, e.g. all from optimizer.compute_gradients.")
+        raise ValueError(
+            "tower gradients mix (gradient, variable) pairs and plain gradients: "
+            "give every tower the same kind, e.g. all from optimizer.compute_gradients."
+        )
     if kinds == {True}:
         grads = [[g for g, _ in tower] for tower in tower_grads]
         variables = [[v for _, v in tower] for tower in tower_grads]
@@ -81,16 +83,16 @@ def _check_tower_grads(tower_grads) -> None:
         raise ValueError("no towers: the gradient list is empty.")
     lengths = {len(g) for g in tower_grads}
     if len(lengths) != 1:
-        raise ValueError(
-            f"every tower must give one gradient per variable, got lengths {sorted(lengths)}.")
+        raise ValueError(f"every tower must give one gradient per variable, got lengths {sorted(lengths)}.")
     for j, per_tower in enumerate(zip(*tower_grads, strict=True)):
         missing = [g is None for g in per_tower]
         if any(missing) and not all(missing):
             raise ValueError(f"variable {j} has a gradient in some towers and None in others.")
         kinds = {(tuple(g.shape), g.dtype.name) for g in per_tower if g is not None}
         if len(kinds) > 1:
-            raise ValueError(f"variable {j} has gradients of different shapes or dtypes across towers: "
-                             f"{sorted(kinds)}.")
+            raise ValueError(
+                f"variable {j} has gradients of different shapes or dtypes across towers: {sorted(kinds)}."
+            )
 
 
 def tower_gradients(model, x, y, devices):
