@@ -175,6 +175,14 @@ def test_16_bit_gradients_halve_the_bandwidth_term_only():
     assert (full.communication, half.communication) == (2 + 32 / 4, 2 + 16 / 4)
 
 
+def test_with_links_scales_latency_and_bandwidth():
+    slow = costmodel.with_links(SMALL, latency=4, bandwidth=0.5)
+    assert slow.node.link == costmodel.AlphaBeta(4.0, 1 / 8) and slow.network.link == costmodel.AlphaBeta(32.0, 1.0)
+    assert costmodel.with_links(PAIR, latency=2).network is None
+    with pytest.raises(ValueError, match="bandwidth must be > 0"):
+        costmodel.with_links(SMALL, bandwidth=0)
+
+
 def test_switching_terms_off():
     options = costmodel.Options(overlap=True, fusion=True, hierarchical=True, gradient_bits=16)
     assert costmodel.terms_on(options) == list(costmodel.TERMS)
@@ -205,6 +213,7 @@ def test_switching_terms_off():
         (lambda: costmodel.Workload("m", -10, 2, 1.0, 4, "s"), "parameters must be a whole number >= 1"),
         (lambda: costmodel.switched_off(costmodel.Options(), "tensor cores"), "term must be one of 'overlap'"),
         (lambda: costmodel.p100_seconds_per_example("AlexNet", 512), "no published P100 speed for 'AlexNet'"),
+        (lambda: costmodel.a100_resnet50("fp8"), "precision must be one of"),
     ],
 )
 def test_bad_cluster_inputs_are_refused_with_the_fix(call, message):
@@ -226,6 +235,8 @@ def test_every_published_result_is_there_with_its_source():
         ("Horovod, 32 x 4 GPUs", "VGG-16"): (128, 0.79),
         ("tf_cnn_benchmarks, DGX-1", "ResNet-50"): (8, 1734 / (8 * 219)),
         ("Goyal et al., 32 x 8 GPUs", "ResNet-50"): (256, 0.90),
+        ("NVIDIA examples, DGX A100", "ResNet-50 TF32"): (8, 7.70 / 8),
+        ("NVIDIA examples, DGX A100", "ResNet-50 AMP"): (8, 7.32 / 8),
     }
     assert {k: (r.gpus, r.efficiency) for k, r in rows.items()} == expected
     assert rows["Goyal et al., 32 x 8 GPUs", "ResNet-50"].baseline_gpus == 8
@@ -233,7 +244,8 @@ def test_every_published_result_is_there_with_its_source():
     assert rows["Goyal et al., 32 x 8 GPUs", "ResNet-50"].workload.batch == 32  # 8192 images on 256 GPUs
     for row in costmodel.PUBLISHED:
         assert any(key in row.source for key in ("arXiv:1802.05799", "arXiv:1706.02677", "benchmarks.md", "README"))
-        assert "keras.applications" in row.workload.source and "benchmarks page" in row.workload.source
+        assert "keras.applications" in row.workload.source
+        assert any(key in row.workload.source for key in ("benchmarks page", "DeepLearningExamples"))
     # one set of assumptions per published system: every Horovod row shares one system and one set of options
     horovod = [r for r in costmodel.PUBLISHED if r.label.startswith("Horovod")]
     assert len({(r.system, r.options) for r in horovod}) == 1
@@ -278,7 +290,7 @@ def test_cli_prints_the_table_and_writes_json(tmp_path, capsys):
     path = tmp_path / "published.json"
     assert costmodel.main(["--published", "--json", str(path)]) == 0
     out = capsys.readouterr().out
-    assert "Horovod, 128 x 4 GPUs" in out and "arXiv:1706.02677" in out and f"wrote 8 rows to {path}" in out
+    assert "Horovod, 128 x 4 GPUs" in out and "arXiv:1706.02677" in out and f"wrote 10 rows to {path}" in out
     rows = json.loads(path.read_text())["rows"]
     assert len(rows) == len(costmodel.PUBLISHED)
     for row in rows:

@@ -212,6 +212,21 @@ class System:
         return f"{self.node.name}; {where}"
 
 
+def with_links(system: System, latency: float = 1.0, bandwidth: float = 1.0) -> System:
+    """`system` with every link's latency multiplied by `latency` and its bandwidth by `bandwidth`:
+    how much a prediction depends on the stated link figures."""
+    latency = _nonnegative(latency, "latency")
+    if _nonnegative(bandwidth, "bandwidth") == 0:
+        raise ValueError("bandwidth must be > 0: it divides the seconds per byte.")
+
+    def scaled(link: AlphaBeta) -> AlphaBeta:
+        return AlphaBeta(link.alpha * latency, link.beta / bandwidth)
+
+    node = dataclasses.replace(system.node, link=scaled(system.node.link))
+    network = system.network and dataclasses.replace(system.network, link=scaled(system.network.link))
+    return System(node, network)
+
+
 @dataclass(frozen=True)
 class Options:
     """The mechanisms a framework uses; `TERMS` are the ones the reader switches off one by one."""
@@ -409,6 +424,24 @@ def p100_workload(model: str, batch: int) -> Workload:
     return Workload(model, figures["parameters"], figures["tensors"], seconds, batch, source)
 
 
+# Images per second on ONE A100 40GB, ResNet-50 v1.5 (same parameters as ResNet-50), batch 256,
+# real data averaged over an epoch: NVIDIA DeepLearningExamples,
+# TensorFlow/Classification/ConvNets/resnet50v1.5/README.md, "Training performance: NVIDIA DGX A100".
+A100_IMAGES_PER_S = {"TF32": 909.0, "AMP": 2375.0}  # AMP: automatic mixed precision
+
+
+def a100_resnet50(precision: str) -> Workload:
+    if precision not in A100_IMAGES_PER_S:
+        raise ValueError(f"precision must be one of {sorted(A100_IMAGES_PER_S)}, got {precision!r}.")
+    figures = MODEL_FIGURES["ResNet-50"]
+    source = (
+        "parameters and tensors of keras.applications; one A100's images/s from NVIDIA DeepLearningExamples "
+        f"(ResNet-50 v1.5, TensorFlow, {precision} + XLA, batch 256, real data)"
+    )
+    seconds = 1 / A100_IMAGES_PER_S[precision]
+    return Workload(f"ResNet-50 {precision}", figures["parameters"], figures["tensors"], seconds, 256, source)
+
+
 @dataclass(frozen=True)
 class Published:
     """One published scaling result and everything the model needs to predict it."""
@@ -442,6 +475,13 @@ BIG_BASIN = System(
     Node("Big Basin server, 8 P100 on NVLink (20 GB/s, 5 us)", 8, NVLINK_P100),
     Network("50 Gbit/s Ethernet, TCP (6.25 GB/s, 25 us)", network_link(50, rdma=False)),
 )
+DGX_A100 = System(Node("DGX A100, 8 A100 on NVLink and NVSwitch (150 GB/s, 5 us)", 8, NVLINK_A100))
+# For extrapolating: such nodes joined by one 100 Gbit/s InfiniBand card each (many have more).
+A100_CLUSTER = System(
+    DGX_A100.node, Network("100 Gbit/s InfiniBand, one card per node (12.5 GB/s, 5 us)", network_link(100, rdma=True))
+)
+# NVIDIA's script uses Horovod, whose options (fusion, overlap, 32-bit gradients) are those above.
+DGX_A100_OPTIONS = HOROVOD_OPTIONS
 # Goyal et al. sec. 4: gradients of each layer aggregated as soon as backprop makes them,
 # summed inside the server (NCCL), recursive halving and doubling across servers (Gloo).
 BIG_BASIN_OPTIONS = Options(algorithm="halving_doubling", overlap=True, hierarchical=True)
@@ -468,6 +508,12 @@ _GOYAL = (
     "abstract: ~90% scaling efficiency from 8 to 256 GPUs, ResNet-50, 8192 images on 256 GPUs (32 per GPU); "
     "Big Basin servers of 8 P100 on NVLink, 50 Gbit/s Ethernet (sec. 4, not re-read for this table). "
     "One P100's speed is TensorFlow's, not the paper's Caffe2."
+)
+
+_NVIDIA_A100 = (
+    "NVIDIA DeepLearningExamples, TensorFlow/Classification/ConvNets/resnet50v1.5/README.md, Training "
+    "performance: NVIDIA DGX A100 (8x A100 40GB): batch 256 per GPU, real data averaged over an epoch, "
+    "weak scaling 7.70x (TF32 + XLA) and 7.32x (AMP, mixed precision + XLA) on 8 GPUs."
 )
 
 
@@ -507,6 +553,13 @@ def _published() -> tuple[Published, ...]:
             _GOYAL,
         )
     )
+    for precision, speedup in (("TF32", 7.70), ("AMP", 7.32)):
+        workload = a100_resnet50(precision)
+        rows.append(
+            Published(
+                "NVIDIA examples, DGX A100", workload, 8, 1, speedup / 8, DGX_A100, DGX_A100_OPTIONS, _NVIDIA_A100
+            )
+        )
     return tuple(rows)
 
 
@@ -566,7 +619,7 @@ def format_table(table: list[dict]) -> str:
             sources.append(r["source"])
         gpus = f"{r['baseline_gpus']}->{r['gpus']}"
         lines.append(
-            f"{r['system']:27s} {r['model']:13s} {gpus:>9s} {r['batch']:5d} {r['published']:9.0%} "
+            f"{r['system']:27s} {r['model']:16s} {gpus:>9s} {r['batch']:5d} {r['published']:9.0%} "
             f"{r['predicted']:9.0%} {r['error_points']:+6.1f}  [{sources.index(r['source']) + 1}]"
         )
     lines.append("error: predicted minus published, in points of efficiency.")
