@@ -35,8 +35,10 @@ import argparse
 import dataclasses
 import json
 import math
+import os
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -236,8 +238,10 @@ class Options:
     fusion: bool = False  # pack small tensors into buckets of `bucket_bytes`
     hierarchical: bool = False  # reduce-scatter in the node, all-reduce across, all-gather in the node
     gradient_bits: int = 32  # 16: half the bytes
-    bucket_bytes: float = 64 * 2**20  # Horovod's default HOROVOD_FUSION_THRESHOLD (64 MiB); DDP's is 25 MiB
-    backward_share: float = 2 / 3  # backward = 2 x forward in FLOPs, so 2/3 of the compute
+    # Horovod's fusion threshold (HOROVOD_FUSION_THRESHOLD: 64 MB until v0.21, 128 MB since); DDP's is 25 MB
+    bucket_bytes: float = 64 * 2**20
+    # backward = 2 x forward in FLOPs (Kaplan et al. 2020, arXiv:2001.08361: 2N per token forward, 4N backward)
+    backward_share: float = 2 / 3
 
     def __post_init__(self):
         _coefficients(1, self.algorithm)
@@ -461,8 +465,10 @@ HOROVOD_CLUSTER = System(
     Node("server of 4 Pascal GPUs (taken as P100) on PCIe 3.0 x16 (12 GB/s, 10 us)", 4, PCIE3),
     Network("25 Gbit/s RoCE (3.125 GB/s, 5 us)", network_link(25, rdma=True)),
 )
-# Horovod 0.9-0.11 (2017): one NCCL 2 ring over all GPUs, tensor fusion at 64 MiB, each
-# gradient queued as soon as the backward pass makes it; its hierarchical all-reduce came in 2018.
+# Horovod 0.9-0.11 (2017): one NCCL 2 ring over all GPUs, each gradient queued as soon as the
+# backward pass makes it, tensor fusion up to 64 MB (its docs, tensor-fusion.rst); its
+# hierarchical all-reduce came in 2018. Horovod fuses what is ready in each cycle (5 ms then)
+# up to the threshold; buckets of the threshold's size are the model's coarser stand-in.
 HOROVOD_OPTIONS = Options(algorithm="ring", overlap=True, fusion=True)
 DGX1_HOST = System(
     Node("DGX-1, 8 P100, gradients to a parameter server on the host CPU over PCIe 3.0 x16 (12 GB/s, 10 us)", 8, PCIE3)
@@ -628,10 +634,9 @@ def format_table(table: list[dict]) -> str:
 
 
 def _writable_json_path(text: str) -> str:
-    from pathlib import Path
-
-    if not Path(text).parent.resolve().is_dir():
-        raise argparse.ArgumentTypeError(f"{text!r}: {Path(text).parent} is not a writable folder.")
+    folder = Path(text).parent
+    if not (folder.is_dir() and os.access(folder, os.W_OK)):
+        raise argparse.ArgumentTypeError(f"{text!r}: {folder} is not a writable folder; pass a path in one.")
     return text
 
 
