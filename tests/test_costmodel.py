@@ -1,3 +1,6 @@
+import dataclasses
+import json
+
 import numpy as np
 import pytest
 
@@ -40,14 +43,14 @@ def test_pipeline_prediction_has_the_bubble_of_gpipe():
 
 def test_hardware_presets_state_their_assumptions():
     for hw in (costmodel.GPU_NODE, costmodel.GPU_CLUSTER):
-        assert hw.flops > 0 and hw.link.beta > 0 and "GB/s" in hw.name
+        assert hw.flops > 0 and hw.link.beta > 0 and "GB/s" in hw.name and "one A100-class GPU" in hw.name
         assert hw.compute(2e9).per_example == pytest.approx(2e9 / hw.flops)
 
 
 def test_bad_input():
     with pytest.raises(ValueError, match="whole number >= 1"):
         costmodel.allreduce_time(1e6, 0, LINK)
-    with pytest.raises(ValueError, match="'ring' or 'central'"):
+    with pytest.raises(ValueError, match="one of 'ring', 'halving_doubling', 'central'"):
         costmodel.allreduce_time(1e6, 2, LINK, "tree")
     with pytest.raises(ValueError, match="two or more different sizes"):
         costmodel.fit_alpha_beta([1e3, 1e3], [1, 1], 2)
@@ -66,7 +69,9 @@ def test_fit_alpha_beta_recovers_each_algorithm(algorithm):
 
 
 def test_unknown_algorithms_are_refused_everywhere():
-    with pytest.raises(ValueError, match=r"algorithm must be 'ring' or 'central', got 'bogus'"):
+    with pytest.raises(
+        ValueError, match=r"algorithm must be one of 'ring', 'halving_doubling', 'central', got 'bogus'"
+    ):
         costmodel.fit_alpha_beta([1e3, 1e4], [1e-3, 2e-3], 2, algorithm="bogus")
     with pytest.raises(ValueError, match="got 'bogus'"):
         costmodel.allreduce_time(1e6, 1, LINK, "bogus")  # even where one device would move nothing
@@ -93,3 +98,233 @@ def test_bad_counts_name_the_argument(call, message):
 
 def test_numpy_integers_are_whole_numbers():
     assert costmodel.allreduce_time(1e6, np.int64(4), LINK) == costmodel.allreduce_time(1e6, 4, LINK)
+
+
+# ---- GPU clusters: each mechanism on and off, on cases small enough to compute by hand ----
+# Numbers are chosen to be exact in binary floating point, so the expected values are exact.
+
+INSIDE = costmodel.AlphaBeta(alpha=1.0, beta=1 / 16)  # seconds per message, seconds per byte
+ACROSS = costmodel.AlphaBeta(alpha=8.0, beta=1 / 2)
+SMALL = costmodel.System(costmodel.Node("4 GPUs", 4, INSIDE), costmodel.Network("slow", ACROSS))
+
+
+def test_inside_one_node_the_node_link_is_used():
+    # ring over 4: 2*3 messages of alpha 1, 2*3/4 * 64 bytes at 1/16 s per byte
+    assert costmodel.cluster_allreduce_time(64, 4, SMALL) == 6 + 6
+    assert costmodel.cluster_allreduce_time(64, 1, SMALL) == 0
+
+
+def test_hierarchical_all_reduce_saves_the_network_messages():
+    flat = costmodel.cluster_allreduce_time(64, 16, SMALL)
+    two_level = costmodel.cluster_allreduce_time(64, 16, SMALL, costmodel.Options(hierarchical=True))
+    assert flat == 2 * 15 * 8 + 2 * 15 / 16 * 64 / 2 == 300  # one ring over 16 GPUs, each step crossing the network
+    # ring inside the node (12), then a ring over the 4 nodes whose card carries the whole 64 bytes (96)
+    assert two_level == (2 * 3 * 1 + 2 * 3 / 4 * 64 / 16) + (2 * 3 * 8 + 2 * 3 / 4 * 64 / 2) == 108
+
+
+def test_halving_doubling_sends_log2_messages():
+    assert costmodel.allreduce_time(64, 8, ACROSS, "halving_doubling") == 2 * 3 * 8 + 2 * 7 / 8 * 64 / 2
+    assert costmodel.allreduce_time(64, 8, ACROSS, "ring") == 2 * 7 * 8 + 2 * 7 / 8 * 64 / 2
+
+
+# 8 tensors of one float32 each (32 bytes), 40 s of compute of which half is the backward pass,
+# on 2 GPUs of one node whose link costs 2 + bytes/4 s per all-reduce (ring over 2: 2 messages).
+PAIR = costmodel.System(costmodel.Node("2 GPUs", 2, costmodel.AlphaBeta(alpha=1.0, beta=1 / 4)))
+TINY = costmodel.Workload("tiny", parameters=8, tensors=8, seconds_per_example=10.0, batch=4, source="made up")
+BASE = costmodel.Options(bucket_bytes=16, backward_share=0.5)
+
+
+def test_buckets_follow_the_fusion_switch():
+    assert costmodel.buckets(32, 8, BASE) == [4.0] * 8
+    fused = costmodel.Options(fusion=True, bucket_bytes=16)
+    assert costmodel.buckets(32, 8, fused) == [16.0, 16.0]
+    assert costmodel.buckets(36, 9, fused) == [16.0, 16.0, 4.0]  # the last bucket holds what is left
+    assert costmodel.buckets(320, 8, fused) == [40.0] * 8  # a tensor larger than a bucket goes alone
+
+
+def test_fusion_pays_the_latency_per_bucket_instead_of_per_tensor():
+    alone = costmodel.step_time(TINY, 2, PAIR, BASE)
+    fused = costmodel.step_time(TINY, 2, PAIR, dataclasses.replace(BASE, fusion=True))
+    assert (alone.buckets, alone.communication) == (8, 8 * (2 + 4 / 4))
+    assert (fused.buckets, fused.communication) == (2, 2 * (2 + 16 / 4))
+    assert alone.communication - fused.communication == (8 - 2) * 2  # six fewer all-reduces of 2 messages
+    assert alone.exposed == alone.communication and fused.exposed == fused.communication  # no overlap
+
+
+def test_overlap_leaves_only_the_last_bucket_exposed_when_the_backward_pass_is_long():
+    options = dataclasses.replace(BASE, fusion=True)
+    serial = costmodel.step_time(TINY, 2, PAIR, options)
+    hidden = costmodel.step_time(TINY, 2, PAIR, dataclasses.replace(options, overlap=True))
+    # buckets ready at 10 s and 20 s of the 20 s backward pass, 6 s each: the first ends at 16,
+    # the last starts at 20 and ends at 26, so 6 s are exposed instead of 12
+    assert (serial.exposed, hidden.exposed) == (12, 6)
+    assert (serial.seconds, hidden.seconds) == (52, 46)
+    assert costmodel.cluster_efficiency(TINY, 2, PAIR, dataclasses.replace(options, overlap=True)) == 40 / 46
+
+
+def test_overlap_cannot_hide_more_than_the_backward_pass():
+    # bucket times 6 and 6 against a backward pass of 2 s: they run back to back from 1 s
+    assert costmodel.exposed_communication([6, 6], [16, 16], 2.0, overlap=True) == 1 + 6 + 6 - 2
+    assert costmodel.exposed_communication([6, 6], [16, 16], 2.0, overlap=False) == 12
+
+
+def test_16_bit_gradients_halve_the_bandwidth_term_only():
+    one = dataclasses.replace(BASE, fusion=True, bucket_bytes=1024)  # one bucket
+    full = costmodel.step_time(TINY, 2, PAIR, one)
+    half = costmodel.step_time(TINY, 2, PAIR, dataclasses.replace(one, gradient_bits=16))
+    assert (full.communication, half.communication) == (2 + 32 / 4, 2 + 16 / 4)
+
+
+def test_with_links_scales_latency_and_bandwidth():
+    slow = costmodel.with_links(SMALL, latency=4, bandwidth=0.5)
+    assert slow.node.link == costmodel.AlphaBeta(4.0, 1 / 8) and slow.network.link == costmodel.AlphaBeta(32.0, 1.0)
+    assert costmodel.with_links(PAIR, latency=2).network is None
+    with pytest.raises(ValueError, match="bandwidth must be > 0"):
+        costmodel.with_links(SMALL, bandwidth=0)
+
+
+def test_switching_terms_off():
+    options = costmodel.Options(overlap=True, fusion=True, hierarchical=True, gradient_bits=16)
+    assert costmodel.terms_on(options) == list(costmodel.TERMS)
+    assert costmodel.switched_off(options, "gradient_bits").gradient_bits == 32
+    assert costmodel.switched_off(options, "overlap").overlap is False
+    assert costmodel.terms_on(costmodel.Options()) == []
+
+
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda: costmodel.Options(algorithm="tree"), "algorithm must be one of 'ring', 'halving_doubling'"),
+        (lambda: costmodel.Options(gradient_bits=8), "gradient_bits must be 16 or 32, got 8"),
+        (lambda: costmodel.Options(bucket_bytes=0), "bucket_bytes must be > 0"),
+        (lambda: costmodel.Options(bucket_bytes=-1), "bucket_bytes must be a finite number >= 0, got -1"),
+        (lambda: costmodel.Options(backward_share=1.5), r"backward_share must be in \(0, 1\]"),
+        (lambda: costmodel.cluster_allreduce_time(64, 0, SMALL), r"n \(the number of GPUs\) must be a whole number"),
+        (lambda: costmodel.cluster_allreduce_time(-64, 4, SMALL), "num_bytes must be a finite number >= 0, got -64"),
+        (lambda: costmodel.cluster_allreduce_time(64, 6, SMALL), "n = 6 GPUs do not fill nodes of 4"),
+        (lambda: costmodel.cluster_allreduce_time(64, 4, PAIR), "one node of 2 GPUs; give the System a Network"),
+        (lambda: costmodel.allreduce_time(-1.0, 2, LINK), "num_bytes must be a finite number >= 0"),
+        (lambda: costmodel.allreduce_time("big", 2, LINK), "num_bytes must be a number >= 0, got 'big'"),
+        (lambda: costmodel.buckets(-32, 8), "gradient_bytes must be a finite number >= 0"),
+        (lambda: costmodel.buckets(32, 0), "tensors must be a whole number >= 1"),
+        (lambda: costmodel.AlphaBeta(alpha=-1e-6, beta=1e-9), r"alpha \(seconds per message\) must be"),
+        (lambda: costmodel.Node("none", 0, LINK), r"Node.gpus \(GPUs per node\) must be a whole number >= 1"),
+        (lambda: costmodel.Workload("m", 10, 2, -1.0, 4, "s"), "seconds_per_example must be a finite number >= 0"),
+        (lambda: costmodel.Workload("m", -10, 2, 1.0, 4, "s"), "parameters must be a whole number >= 1"),
+        (lambda: costmodel.switched_off(costmodel.Options(), "tensor cores"), "term must be one of 'overlap'"),
+        (lambda: costmodel.p100_seconds_per_example("AlexNet", 512), "no published P100 speed for 'AlexNet'"),
+        (lambda: costmodel.a100_resnet50("fp8"), "precision must be one of"),
+    ],
+)
+def test_bad_cluster_inputs_are_refused_with_the_fix(call, message):
+    with pytest.raises(ValueError, match=message):
+        call()
+
+
+# ---- the published results ----
+
+
+def test_every_published_result_is_there_with_its_source():
+    rows = {(r.label, r.workload.model): r for r in costmodel.PUBLISHED}
+    expected = {
+        ("Horovod, 128 x 4 GPUs", "Inception V3"): (512, 0.90),
+        ("Horovod, 128 x 4 GPUs", "ResNet-101"): (512, 0.90),
+        ("Horovod, 128 x 4 GPUs", "VGG-16"): (512, 0.68),
+        ("Horovod, 32 x 4 GPUs", "Inception V3"): (128, 0.90),
+        ("Horovod, 32 x 4 GPUs", "ResNet-101"): (128, 0.90),
+        ("Horovod, 32 x 4 GPUs", "VGG-16"): (128, 0.79),
+        ("tf_cnn_benchmarks, DGX-1", "ResNet-50"): (8, 1734 / (8 * 219)),
+        ("Goyal et al., 32 x 8 GPUs", "ResNet-50"): (256, 0.90),
+        ("NVIDIA examples, DGX A100", "ResNet-50 TF32"): (8, 7.70 / 8),
+        ("NVIDIA examples, DGX A100", "ResNet-50 AMP"): (8, 7.32 / 8),
+    }
+    assert {k: (r.gpus, r.efficiency) for k, r in rows.items()} == expected
+    assert rows["Goyal et al., 32 x 8 GPUs", "ResNet-50"].baseline_gpus == 8
+    assert all(r.workload.batch == 64 for k, r in rows.items() if k[0].startswith(("Horovod", "tf_cnn")))
+    assert rows["Goyal et al., 32 x 8 GPUs", "ResNet-50"].workload.batch == 32  # 8192 images on 256 GPUs
+    for row in costmodel.PUBLISHED:
+        assert any(key in row.source for key in ("arXiv:1802.05799", "arXiv:1706.02677", "benchmarks.md", "README"))
+        assert "keras.applications" in row.workload.source
+        assert any(key in row.workload.source for key in ("benchmarks page", "DeepLearningExamples"))
+    # one set of assumptions per published system: every Horovod row shares one system and one set of options
+    horovod = [r for r in costmodel.PUBLISHED if r.label.startswith("Horovod")]
+    assert len({(r.system, r.options) for r in horovod}) == 1
+
+
+def test_every_published_result_is_predicted_within_10_points():
+    for row in costmodel.published_table():
+        assert abs(row["error_points"]) <= 10, row
+
+
+def test_published_speeds_come_from_the_named_table():
+    seconds, source = costmodel.p100_seconds_per_example("ResNet-50", 64)
+    assert seconds == 1 / 219 and "benchmarks page" in source
+    r101, source = costmodel.p100_seconds_per_example("ResNet-101", 64)
+    assert "interpolated" in source
+    # halfway in multiply-adds (3.8 -> 7.6 -> 11.3 billion): close to halfway in time
+    assert 1 / 219 < r101 < 1 / 91.8
+    assert r101 == pytest.approx(1 / 219 + (7.6 - 3.8) / (11.3 - 3.8) * (1 / 91.8 - 1 / 219))
+
+
+def test_explain_reports_what_each_mechanism_is_worth():
+    vgg = next(r for r in costmodel.PUBLISHED if r.label == "Horovod, 128 x 4 GPUs" and r.workload.model == "VGG-16")
+    terms = costmodel.explain(vgg)
+    assert set(terms) == {"overlap", "fusion"}
+    assert terms["overlap"] < 0  # without overlap the all-reduce is all exposed
+    off = costmodel.predict(vgg, costmodel.switched_off(vgg.options, "overlap"))
+    assert terms["overlap"] == pytest.approx(100 * (off - costmodel.predict(vgg)))
+
+
+def test_model_figures_match_keras_applications():
+    import keras
+
+    # VGG-16 is left out: building its 138M parameters takes 20 s here (counted once: 138,357,544 in 32 tensors)
+    for name, build in (("ResNet-50", "ResNet50"), ("ResNet-101", "ResNet101"), ("Inception V3", "InceptionV3")):
+        model = getattr(keras.applications, build)(weights=None)
+        figures = costmodel.MODEL_FIGURES[name]
+        assert len(model.trainable_weights) == figures["tensors"]
+        assert sum(int(np.prod(w.shape)) for w in model.trainable_weights) == figures["parameters"]
+
+
+def test_cli_prints_the_table_and_writes_json(tmp_path, capsys):
+    path = tmp_path / "published.json"
+    assert costmodel.main(["--published", "--json", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "Horovod, 128 x 4 GPUs" in out and "arXiv:1706.02677" in out and f"wrote 10 rows to {path}" in out
+    rows = json.loads(path.read_text())["rows"]
+    assert len(rows) == len(costmodel.PUBLISHED)
+    for row in rows:
+        assert {"source", "published", "predicted", "model", "gpus", "batch", "network"} <= set(row)
+        assert 0 < row["published"] <= 1 and 0 < row["predicted"] <= 1
+        assert row["error_points"] == pytest.approx(100 * (row["predicted"] - row["published"]))
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [([], "nothing to do: pass --published"), (["--published", "--json", "/nonexistent-dir/x.json"], "not a writable")],
+)
+def test_cli_refuses_bad_arguments(args, message, capsys):
+    with pytest.raises(SystemExit):
+        costmodel.main(args)
+    assert message in capsys.readouterr().err
+
+
+def test_cli_runs_as_a_module(tmp_path):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    done = subprocess.run(
+        [sys.executable, "-m", "tutorial_lib.costmodel", "--published"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+        env=env,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "Goyal et al." in done.stdout and "error: predicted minus published" in done.stdout
