@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # What students need besides the notebooks to run `make lab` on their own machine.
 COURSE_FILES = ["README.md", "LICENSE", "Makefile", "pyproject.toml", "environment.yml", "tutorial_lib"]
 MARKER = ".student-copy"  # marks a folder this tool wrote, so a rerun may replace it
-PLACEHOLDER = "# Exercise {number}: your solution here. (The course notebook has one that runs.)\n"
+PLACEHOLDER = "# Exercise {number}: your solution here\n"
 
 
 class HandoutError(ValueError):
