@@ -12,7 +12,7 @@ STAMP := $(VENV)/.installed
 RUN_ENV := TUTORIAL_DEVICE=cpu TF_CPP_MIN_LOG_LEVEL=3 PYTHONHASHSEED=0
 NOTEBOOKS := $(sort $(wildcard notebooks/*.ipynb))
 
-.PHONY: install lab test unit notebooks bench student clean check-python
+.PHONY: install lab student-lab kernel test unit notebooks bench student site clean check-python
 
 install: $(STAMP)
 
@@ -51,8 +51,25 @@ endif
 # JupyterLab refuses to run as root (containers, CI) unless told to.
 ALLOW_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root)
 
+# The folder JupyterLab opens: make lab COURSE_DIR=student/notebooks serves the students' copies.
+COURSE_DIR ?= notebooks
+# A root_dir (or notebook_dir) given in LAB_ARGS replaces COURSE_DIR: JupyterLab refuses two
+# ("root_dir only accepts one value").
+LAB_ROOT = $(if $(or $(findstring root_dir,$(LAB_ARGS)),$(findstring notebook_dir,$(LAB_ARGS))),,--ServerApp.root_dir=$(COURSE_DIR))
+
 lab: $(STAMP)
-	$(BIN)/jupyter lab --ServerApp.root_dir=notebooks $(ALLOW_ROOT) $(LAB_ARGS)
+	$(BIN)/jupyter lab $(LAB_ROOT) $(ALLOW_ROOT) $(LAB_ARGS)
+
+# The students' copies (make student), served from this checkout's environment.
+student-lab: student
+	$(MAKE) lab COURSE_DIR=student/notebooks
+
+# Register .venv as a Jupyter kernel for this user, for a JupyterHub or shared JupyterLab that
+# runs from another environment: students pick "$(KERNEL_DISPLAY)" in the kernel menu.
+KERNEL_NAME ?= tf-multi-device
+KERNEL_DISPLAY ?= Python (tf-multi-device course)
+kernel: $(STAMP)
+	$(BIN)/python -m ipykernel install --user --name $(KERNEL_NAME) --display-name "$(KERNEL_DISPLAY)"
 
 test: $(STAMP)
 	$(BIN)/ruff check tutorial_lib tests notebooks tools conftest.py
@@ -74,9 +91,15 @@ notebooks: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python -m tutorial_lib.bench $(BENCH_ARGS)
 
-# Copies for students: solution cells emptied, outputs cleared (in student/, not committed).
+# The hand-out for students: student/ and student.zip (not committed), with the package and the
+# notebooks, solution cells emptied into numbered placeholders and outputs cleared.
 student:
 	$(PYTHON) tools/student_copies.py notebooks student
 
+# The course as a static web site in site/ (not committed): every notebook with its stored
+# outputs, solutions removed, the README as the front page. Open site/index.html.
+site: $(STAMP)
+	$(BIN)/python tools/build_site.py notebooks site
+
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .ruff_cache site student student.zip

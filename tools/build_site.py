@@ -1,0 +1,154 @@
+"""Build the course as a static web site with nbconvert (or: make site).
+
+    python tools/build_site.py notebooks site
+
+- site/index.html: the README, rendered, with its links to notebooks/*.ipynb pointing to
+  the pages;
+- site/NN_name.html: each notebook with its stored outputs (nothing is executed),
+  solution cells removed, every figure with alt text, and previous / home / next links.
+
+The pages load nothing from the network (no require.js, MathJax or Mermaid: the notebooks
+use none), so the site works offline and from file://. Links that have no page in the
+site (the package's source) are kept as text.
+"""
+
+import argparse
+import html
+import re
+import sys
+from pathlib import Path
+
+import nbformat
+from nbconvert import HTMLExporter
+from nbconvert.filters.markdown_mistune import markdown2html_mistune
+from nbconvert.preprocessors import Preprocessor, TagRemovePreprocessor
+
+ROOT = Path(__file__).resolve().parents[1]
+TEMPLATE_DIR = Path(__file__).resolve().parent / "site_template"  # extends nbconvert's lab template
+_TITLE = re.compile(r"""(?:title|set_title|suptitle)\s*[=(]\s*f?(["'])(.+?)\1""")
+_LINK = re.compile(r'<a href="([^"]*)">(.*?)</a>', re.DOTALL)
+
+
+def _plain(markdown: str) -> str:
+    """Markdown as one line of plain text: no headings, emphasis, code marks or link targets."""
+    text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", markdown)
+    text = re.sub(r"[#*`_]+", "", text)
+    return " ".join(text.split())
+
+
+def figure_alt(source: str, section: str) -> str:
+    """Alt text for a figure: the titles its cell's code sets (f-string fields shown as '…'), and
+    the section of the notebook it illustrates."""
+    titles = [re.sub(r"\{[^}]*\}", "…", m.group(2)) for m in _TITLE.finditer(source)]
+    text = "Figure: " + "; ".join(titles) if titles else "Figure"
+    return f"{text} (section: {section})" if section else text + "."
+
+
+class FigureAltText(Preprocessor):
+    """Store alt text in each image output's metadata (`alt`), which the site's template writes out."""
+
+    def preprocess(self, nb, resources):
+        section = ""
+        for cell in nb.cells:
+            if cell.cell_type == "markdown":
+                headings = re.findall(r"^#+ (.+)$", cell.source, flags=re.MULTILINE)
+                section = _plain(headings[-1]) if headings else section
+            elif cell.cell_type == "code":
+                for output in cell.get("outputs", []):
+                    if any(k.startswith("image/") for k in output.get("data", {})):
+                        output.setdefault("metadata", {})["alt"] = figure_alt(cell.source, section)
+        return nb, resources
+
+
+def notebook_title(nb) -> str:
+    first = next((c.source for c in nb.cells if c.cell_type == "markdown"), "")
+    return _plain(first.splitlines()[0]) if first else "Notebook"
+
+
+def _short(title: str) -> str:
+    return title.split(":")[0]
+
+
+def navigation(pages: list[tuple[str, str]], index: int) -> str:
+    """Previous / home / next links for page `index` of `pages` [(file name, title)]."""
+    links = []
+    if index > 0:
+        name, title = pages[index - 1]
+        links.append(f'<a rel="prev" href="{name}">&larr; {html.escape(_short(title))}</a>')
+    links.append('<a rel="home" href="index.html">Course home</a>')
+    if index < len(pages) - 1:
+        name, title = pages[index + 1]
+        links.append(f'<a rel="next" href="{name}">{html.escape(_short(title))} &rarr;</a>')
+    return '<nav class="course-nav">' + " | ".join(links) + "</nav>"
+
+
+def relink(page: str, existing: set[str], prefix: str = "") -> str:
+    """Point links to notebooks (`prefix`NN_x.ipynb) at their pages; unwrap local links to files the
+    site lacks. External links and in-page anchors are left alone."""
+
+    def fix(match):
+        target, text = match.groups()
+        if re.match(r"^[a-z]+:|^#", target):
+            return match.group(0)
+        path, _, anchor = target.partition("#")
+        if path.startswith(prefix) and path.endswith(".ipynb"):
+            path = path[len(prefix) : -len(".ipynb")] + ".html"
+        if path not in existing:
+            return text
+        return f'<a href="{path}{"#" + anchor if anchor else ""}">{text}</a>'
+
+    return _LINK.sub(fix, page)
+
+
+def _exporter() -> HTMLExporter:
+    exporter = HTMLExporter(template_name=TEMPLATE_DIR.name, extra_template_basedirs=[str(TEMPLATE_DIR.parent)])
+    exporter.register_preprocessor(TagRemovePreprocessor(remove_cell_tags={"solution"}, enabled=True), enabled=True)
+    exporter.register_preprocessor(FigureAltText(enabled=True), enabled=True)
+    return exporter
+
+
+def _front_page(readme: str, pages: list[tuple[str, str]], existing: set[str]) -> str:
+    body = relink(markdown2html_mistune(readme), existing, prefix="notebooks/")
+    items = "".join(f'<li><a href="{name}">{html.escape(title)}</a></li>' for name, title in pages)
+    style = (TEMPLATE_DIR / "front.css").read_text()
+    return (
+        '<!DOCTYPE html>\n<html lang="en">\n<head>\n<meta charset="utf-8">\n'
+        '<meta name="viewport" content="width=device-width, initial-scale=1.0">\n'
+        f"<title>{html.escape(_plain(readme.splitlines()[0]))}</title>\n<style>{style}</style>\n</head>\n"
+        f'<body>\n<main>\n{body}\n<h2 id="pages">The notebooks, rendered</h2>\n<ol>{items}</ol>\n</main>\n'
+        "</body>\n</html>\n"
+    )
+
+
+def build(source: Path, target: Path, readme: Path = ROOT / "README.md") -> list[Path]:
+    """Write the site; return the paths of the pages written, the front page first."""
+    paths = sorted(source.glob("*.ipynb"))
+    if not paths:
+        raise SystemExit(f"build_site: no notebooks in {str(source)!r}")
+    notebooks = [nbformat.read(p, as_version=4) for p in paths]
+    pages = [(p.stem + ".html", notebook_title(nb)) for p, nb in zip(paths, notebooks, strict=True)]
+    existing = {"index.html"} | {name for name, _ in pages}
+    target.mkdir(parents=True, exist_ok=True)
+    exporter = _exporter()
+    written = [target / "index.html"]
+    written[0].write_text(_front_page(readme.read_text(), pages, existing))
+    for i, nb in enumerate(notebooks):
+        resources = {"metadata": {"name": pages[i][1]}, "course_nav": navigation(pages, i)}
+        body, _ = exporter.from_notebook_node(nb, resources=resources)
+        written.append(target / pages[i][0])
+        written[-1].write_text(relink(body, existing))
+    return written
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("source", type=Path, help="folder of the notebooks (notebooks)")
+    parser.add_argument("target", type=Path, help="folder to write the site to (site)")
+    args = parser.parse_args(argv)
+    written = build(args.source, args.target)
+    print(f"wrote {len(written)} pages to {args.target}/; open {args.target / 'index.html'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
