@@ -43,6 +43,9 @@ def main(argv=None) -> None:
         )
     except tf.errors.OpError as err:  # most often: another program took the port since it was picked
         sys.exit(f"core worker {args.task} cannot serve {addresses[args.task]} (is the port taken?): {err}")
+    if args.profiler_port:
+        # On demand, `timeline.trace` asks this server for a trace of the ops this worker ran.
+        tf.profiler.experimental.server.start(args.profiler_port)
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else "any"
     print(
         f"{READY}: task {args.task} (pid {os.getpid()}) serving {addresses[args.task]} on core(s) {cores}, "
@@ -57,6 +60,7 @@ def _arguments(argv) -> argparse.Namespace:
     parser.add_argument("--task", type=int, required=True, help="this worker's index in the cluster")
     parser.add_argument("--core", type=int, required=True, help="the CPU core to run on")
     parser.add_argument("--cluster", required=True, help="every worker's host:port, comma separated")
+    parser.add_argument("--profiler-port", type=int, default=0, help="serve profiler traces on this port (0: none)")
     return parser.parse_args(argv)
 
 
