@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TASK = [f"/job:worker/replica:0/task:{k}/device:CPU:0" for k in range(2)]
 
 DRIVER = """
-    import json, sys, tempfile, time
+    import json, sys, tempfile, time, warnings
     from pathlib import Path
     from tutorial_lib import devices, timeline
 
@@ -54,6 +54,9 @@ DRIVER = """
         with tf.device(names[0]):
             return tf.matmul(x, weights[0])
 
+    def partly_here(x):  # the second matmul has no tf.device scope: it runs in this process
+        return tf.matmul(only_task_0(x), weights[1], name="unplaced")
+
     def report(tag, events):
         rows = [[e.device, e.type, e.start, e.end] for e in events]
         busy = timeline.busy_fraction(events) if events else {}
@@ -63,6 +66,10 @@ DRIVER = """
     report("SEQUENTIAL", timeline.trace(one_after_the_other, x))
     report("PARALLEL", timeline.trace(side_by_side, x, steps=2))
     report("ONE_DEVICE", timeline.trace(only_task_0, x))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        report("HERE", timeline.trace(partly_here, x))
+    print("WARNED", json.dumps([str(w.message) for w in caught]), flush=True)
 
     calls = []
 
@@ -94,9 +101,8 @@ def driven(tmp_path_factory):
     command = [sys.executable, "-c", textwrap.dedent(DRIVER), str(folder)]
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
-    return {
-        line.split(" ", 1)[0]: json.loads(line.split(" ", 1)[1]) for line in result.stdout.splitlines() if " {" in line
-    }
+    tagged = [line.split(" ", 1) for line in result.stdout.splitlines() if line.split(" ", 1)[0].isupper()]
+    return {tag: json.loads(value) for tag, value in tagged}
 
 
 def _compute(report, device):
@@ -125,6 +131,13 @@ def test_independent_chains_keep_both_devices_busy(driven):
 def test_an_idle_worker_is_no_error(driven):
     report = driven["ONE_DEVICE"]
     assert {d for d, t, *_ in report["events"] if "MatMul" in t} == {TASK[0]}
+
+
+def test_ops_of_this_process_are_traced_with_a_warning(driven):
+    report = driven["HERE"]
+    assert {d for d, t, *_ in report["events"] if "MatMul" in t} == {TASK[0], "/device:CPU:0"}
+    (warning,) = driven["WARNED"]
+    assert "in this process, on no core device" in warning and "'/device:CPU:0'" in warning
 
 
 def test_a_step_longer_than_the_capture_window_is_refused(driven):
@@ -160,7 +173,8 @@ def _space(start_ns, events, stop_ns=None):
     return space
 
 
-WHERE = {"MatMul": "/device:CPU:0", "MatMul_1": "/device:CPU:0"}  # the graph's placement
+# The graph's placement: ops without a tf.device scope get this process's CPU.
+WHERE = {"MatMul": "/device:CPU:0", "MatMul_1": "/device:CPU:0", "loss": "/device:CPU:0"}
 
 
 def test_worker_files_are_merged_on_one_clock_with_the_workers_devices():
@@ -170,12 +184,14 @@ def test_worker_files_are_merged_on_one_clock_with_the_workers_devices():
         "localhost_2": _space(S + 5 * MS, [("MatMul_1:MatMul", 0, 3), ("x/_1:_Send", 3, 1)], S + 12 * MS),
     }
     hosts = {"localhost_1": TASK[0], "localhost_2": TASK[1]}
-    events = timeline._worker_events(spaces, hosts, WHERE, ran=(S + 5 * MS, S + 10 * MS))
+    local = {"vm": _space(S + 6 * MS, [("loss:Mean", 2, 1)], S + 9 * MS)}  # this process's own trace
+    events = timeline._worker_events(spaces, hosts, WHERE, ran=(S + 5 * MS, S + 10 * MS), local=local)
     assert [(e.device, e.op, e.type, e.start, e.end) for e in events] == [
         (TASK[0], "MatMul", "_MklMatMul", 0.0, 2.0),  # the device is the worker's, not the graph's default
         (TASK[1], "MatMul_1", "MatMul", 4.0, 7.0),  # runtime bookkeeping and _Send are left out
+        ("/device:CPU:0", "loss", "Mean", 7.0, 8.0),  # this process's ops: the graph says where
     ]
-    assert timeline.busy_fraction(events) == {TASK[0]: 2 / 7, TASK[1]: 3 / 7}
+    assert timeline.busy_fraction(events) == {TASK[0]: 2 / 8, TASK[1]: 3 / 8, "/device:CPU:0": 1 / 8}
 
 
 def test_a_missing_worker_file_is_refused():

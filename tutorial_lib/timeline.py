@@ -12,8 +12,9 @@ which this process's profiler cannot see. Each worker serves TensorFlow's profil
 for a trace at once with `tf.profiler.experimental.client.trace`, running `fn` while they
 capture. Each worker's file holds the ops that worker ran, so its device is the worker's
 device; every file counts time from its own session start, which it records, so adding it
-puts all workers on one clock (they share this machine's clock). Ops that this process
-runs itself (ops with no `tf.device` scope) are on no core device and not in the timeline.
+puts all workers on one clock (they share this machine's clock). This process's own
+profiler runs meanwhile: ops with no `tf.device` scope run here, on no core device, and
+`trace` warns when it finds any (their device is this process's, such as '/device:CPU:0').
 
 Caveat worth teaching: an op is "busy" from its start to its end even while the OS has
 paused its thread, so on C cores more than C devices can look busy at once. Throughput,
@@ -27,6 +28,7 @@ import re
 import tempfile
 import threading
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -130,10 +132,8 @@ def trace(fn, *args, steps: int = 1, placement_of=None, **kwargs) -> list[Event]
     # The trace files are read here and then deleted, even when fn raises: a class that traces
     # all day must not fill the temporary folder.
     with tempfile.TemporaryDirectory(prefix="tutorial_trace_") as logdir:
-        if core_devices.workers:  # this process runs nothing itself: ask each worker's profiler
-            hosts = {w.profiler.replace(":", "_"): core_devices.device_name(w.task) for w in core_devices.workers}
-            ran = _profile_workers(f, args, kwargs, steps, logdir, [w.profiler for w in core_devices.workers])
-            return _worker_events(_read_spaces(logdir), hosts, where, ran)
+        if core_devices.workers:
+            return _trace_cores(f, args, kwargs, steps, logdir, where)
         _profile(f, args, kwargs, steps, logdir)
         return _as_events(r for space in _read_spaces(logdir).values() for r in _space_events(space, where))
 
@@ -151,8 +151,26 @@ def _profile(f, args, kwargs, steps: int, logdir: str) -> None:
         tf.profiler.experimental.stop()
 
 
+def _trace_cores(f, args, kwargs, steps: int, logdir: str, where: dict[str, str]) -> list[Event]:
+    """`trace` on core devices: every worker's ops, and this process's own, on one clock."""
+    hosts = {w.profiler.replace(":", "_"): core_devices.device_name(w.task) for w in core_devices.workers}
+    ran = _profile_workers(f, args, kwargs, steps, logdir, [w.profiler for w in core_devices.workers])
+    events = _worker_events(_read_spaces(f"{logdir}/workers"), hosts, where, ran, _read_spaces(f"{logdir}/local"))
+    here = [e for e in events if e.device not in hosts.values()]
+    if here:
+        warnings.warn(
+            f"{len(here)} op runs of fn were in this process, on no core device (e.g. {here[0].op!r}): ops "
+            f"without a tf.device scope, such as a gradient computed outside the stages' scopes, run "
+            f"here. They are in the events as device {here[0].device!r}; put them under tf.device to "
+            "run them on a core device.",
+            stacklevel=3,
+        )
+    return events
+
+
 def _profile_workers(f, args, kwargs, steps: int, logdir: str, addresses: list[str]) -> tuple[int, int]:
-    """Run `f` `steps` times while the profiler servers at `addresses` capture into `logdir`.
+    """Run `f` `steps` times while the profiler servers at `addresses` capture into
+    `logdir`/workers, and this process's profiler into `logdir`/local.
 
     Returns when `f` started and ended, in nanoseconds since the epoch (the profiler's clock).
     """
@@ -164,7 +182,10 @@ def _profile_workers(f, args, kwargs, steps: int, logdir: str, addresses: list[s
     def capture() -> None:  # blocks for the whole window, so it runs beside f in a thread
         try:
             tf.profiler.experimental.client.trace(
-                ",".join(f"grpc://{a}" for a in addresses), logdir, int(window_s * 1000), num_tracing_attempts=1
+                ",".join(f"grpc://{a}" for a in addresses),
+                f"{logdir}/workers",
+                int(window_s * 1000),
+                num_tracing_attempts=1,
             )
         except Exception as err:  # reported after the join, in the calling thread
             failures.append(err)
@@ -174,9 +195,7 @@ def _profile_workers(f, args, kwargs, steps: int, logdir: str, addresses: list[s
     try:
         time.sleep(CAPTURE_LEAD_S)  # the request reaches the workers and they start capturing
         start_ns = time.time_ns()
-        for _ in range(steps):
-            result = f(*args, **kwargs)
-        _fetch(result)
+        _profile(f, args, kwargs, steps, f"{logdir}/local")  # the ops this process runs itself
         end_ns = time.time_ns()
     finally:  # even when f raises: nothing may write into logdir once it is removed
         capturing.join(window_s + JOIN_GRACE_S)
@@ -186,7 +205,7 @@ def _profile_workers(f, args, kwargs, steps: int, logdir: str, addresses: list[s
             f"{window_s:.1f} s capture window ({', '.join(addresses)}); are the workers still running? "
             "Restart the kernel to start them again."
         )
-    if failures and not glob.glob(f"{logdir}/**/*.xplane.pb", recursive=True):
+    if failures and not glob.glob(f"{logdir}/workers/**/*.xplane.pb", recursive=True):
         raise RuntimeError(f"the core devices' profilers returned no trace: {failures[0]}") from failures[0]
     return start_ns, end_ns
 
@@ -224,11 +243,12 @@ def _read_spaces(logdir: str) -> dict:
     }
 
 
-def _worker_events(spaces: dict, hosts: dict[str, str], where: dict[str, str], ran: tuple[int, int]) -> list[Event]:
-    """The ops of `fn` in the core devices' traces, on one clock.
+def _worker_events(spaces: dict, hosts: dict[str, str], where: dict[str, str], ran: tuple[int, int], local=None):
+    """The ops of `fn` in the core devices' traces, and in this process's (`local`), on one clock.
 
     `spaces`: host -> its trace; `hosts`: host -> the device its worker is; `ran`: when fn
     started and ended (ns since the epoch). Refuses traces that miss a worker or part of fn.
+    This process's ops get their device from the graph's placement (`where`), as in `trace`.
     """
     missing = sorted(set(hosts) - set(spaces))
     if missing:
@@ -237,7 +257,9 @@ def _worker_events(spaces: dict, hosts: dict[str, str], where: dict[str, str], r
         )
     for host, device in hosts.items():
         _check_window(spaces[host], device, ran)
-    return _as_events(r for host, device in hosts.items() for r in _space_events(spaces[host], where, device))
+    raw = [r for host, device in hosts.items() for r in _space_events(spaces[host], where, device)]
+    raw += [r for space in (local or {}).values() for r in _space_events(space, where)]
+    return _as_events(raw)
 
 
 def _check_window(space, device: str, ran: tuple[int, int]) -> None:
