@@ -92,6 +92,15 @@ DRIVER = """
         except (RuntimeError, ValueError) as err:
             left = sorted(p.name for p in Path(sys.argv[1]).iterdir() if p.name.startswith("tutorial_trace_"))
             print(tag, json.dumps({"error": f"{type(err).__name__}: {err}", "left": left}), flush=True)
+
+    from tutorial_lib import core_devices
+
+    core_devices.workers[1].process.kill()  # a worker that died: its profiler cannot answer
+    core_devices.workers[1].process.wait()
+    try:
+        timeline.trace(only_task_0, x)
+    except RuntimeError as err:
+        print("DEAD", json.dumps(str(err)), flush=True)
 """
 
 
@@ -146,6 +155,11 @@ def test_a_step_longer_than_the_capture_window_is_refused(driven):
     assert report["left"] == []
 
 
+def test_a_worker_that_died_is_a_clear_error(driven):
+    assert "no trace for ['/job:worker/replica:0/task:1/device:CPU:0']" in driven["DEAD"]
+    assert "Has that worker stopped?" in driven["DEAD"]
+
+
 def test_fn_raising_under_the_trace_leaves_no_files(driven):
     assert driven["RAISES"] == {"error": "ValueError: boom", "left": []}
 
@@ -185,7 +199,7 @@ def test_worker_files_are_merged_on_one_clock_with_the_workers_devices():
     }
     hosts = {"localhost_1": TASK[0], "localhost_2": TASK[1]}
     local = {"vm": _space(S + 6 * MS, [("loss:Mean", 2, 1)], S + 9 * MS)}  # this process's own trace
-    events = timeline._worker_events(spaces, hosts, WHERE, ran=(S + 5 * MS, S + 10 * MS), local=local)
+    events = timeline._core_events(spaces, hosts, WHERE, ran=(S + 5 * MS, S + 10 * MS), local=local)
     assert [(e.device, e.op, e.type, e.start, e.end) for e in events] == [
         (TASK[0], "MatMul", "_MklMatMul", 0.0, 2.0),  # the device is the worker's, not the graph's default
         (TASK[1], "MatMul_1", "MatMul", 4.0, 7.0),  # runtime bookkeeping and _Send are left out
@@ -198,17 +212,17 @@ def test_a_missing_worker_file_is_refused():
     spaces = {"localhost_1": _space(S, [("MatMul:MatMul", 1, 2)], S + 10 * MS)}
     hosts = {"localhost_1": TASK[0], "localhost_2": TASK[1]}
     with pytest.raises(RuntimeError, match=r"no trace for \['/job:worker/replica:0/task:1/device:CPU:0'\]"):
-        timeline._worker_events(spaces, hosts, WHERE, ran=(S + MS, S + 2 * MS))
+        timeline._core_events(spaces, hosts, WHERE, ran=(S + MS, S + 2 * MS))
 
 
 @pytest.mark.parametrize("ran", [(S - MS, S + 2 * MS), (S + MS, S + 11 * MS)], ids=["began early", "ended late"])
 def test_a_run_outside_the_capture_window_is_refused(ran):
     spaces = {"localhost_1": _space(S, [("MatMul:MatMul", 1, 2)], S + 10 * MS)}
     with pytest.raises(RuntimeError, match="would miss ops"):
-        timeline._worker_events(spaces, {"localhost_1": TASK[0]}, WHERE, ran)
+        timeline._core_events(spaces, {"localhost_1": TASK[0]}, WHERE, ran)
 
 
 def test_a_trace_without_session_times_is_refused():
     spaces = {"localhost_1": _space(S, [("MatMul:MatMul", 1, 2)], stop_ns=None)}
     with pytest.raises(RuntimeError, match="cannot be put on the same clock"):
-        timeline._worker_events(spaces, {"localhost_1": TASK[0]}, WHERE, ran=(S + MS, S + 2 * MS))
+        timeline._core_events(spaces, {"localhost_1": TASK[0]}, WHERE, ran=(S + MS, S + 2 * MS))

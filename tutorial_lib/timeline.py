@@ -117,6 +117,9 @@ def trace(fn, *args, steps: int = 1, placement_of=None, **kwargs) -> list[Event]
     recorded. A Python function that calls several `tf.function`s (a pipeline's ticks)
     runs as it is when `placement_of` lists their concrete functions (or is a callable
     that returns them after the warm-up); their graphs then say where each op ran.
+
+    On core devices a second untraced call, timed, sizes the window in which the workers
+    capture; a traced run that outlasts it, or a worker that sends no trace, is an error.
     """
     steps = checks.whole_number(steps, "steps")
     f = fn if placement_of is not None else _as_function(fn)
@@ -155,7 +158,7 @@ def _trace_cores(f, args, kwargs, steps: int, logdir: str, where: dict[str, str]
     """`trace` on core devices: every worker's ops, and this process's own, on one clock."""
     hosts = {w.profiler.replace(":", "_"): core_devices.device_name(w.task) for w in core_devices.workers}
     ran = _profile_workers(f, args, kwargs, steps, logdir, [w.profiler for w in core_devices.workers])
-    events = _worker_events(_read_spaces(f"{logdir}/workers"), hosts, where, ran, _read_spaces(f"{logdir}/local"))
+    events = _core_events(_read_spaces(f"{logdir}/workers"), hosts, where, ran, _read_spaces(f"{logdir}/local"))
     here = [e for e in events if e.device not in hosts.values()]
     if here:
         warnings.warn(
@@ -243,7 +246,7 @@ def _read_spaces(logdir: str) -> dict:
     }
 
 
-def _worker_events(spaces: dict, hosts: dict[str, str], where: dict[str, str], ran: tuple[int, int], local=None):
+def _core_events(spaces: dict, hosts: dict[str, str], where: dict[str, str], ran: tuple[int, int], local=None):
     """The ops of `fn` in the core devices' traces, and in this process's (`local`), on one clock.
 
     `spaces`: host -> its trace; `hosts`: host -> the device its worker is; `ran`: when fn
@@ -253,7 +256,9 @@ def _worker_events(spaces: dict, hosts: dict[str, str], where: dict[str, str], r
     missing = sorted(set(hosts) - set(spaces))
     if missing:
         raise RuntimeError(
-            f"the profiler returned no trace for {[hosts[h] for h in missing]}; it returned {sorted(spaces)}."
+            f"the profiler returned no trace for {[hosts[h] for h in missing]}; it returned {sorted(spaces)}. "
+            "Has that worker stopped? Its log is in tutorial_lib.core_devices.workers[task].log; restart "
+            "the kernel to start the core devices again."
         )
     for host, device in hosts.items():
         _check_window(spaces[host], device, ran)
