@@ -7,7 +7,8 @@ whose only device is `/job:worker/replica:0/task:k/device:CPU:0`.
 The process pins itself to its core *before* TensorFlow is imported: TensorFlow sizes its
 thread pools from the cores it may run on, and a pinned process cannot borrow another
 core however many threads it starts. It then prints one line starting with `READY` and
-serves until it is stopped.
+serves until it is stopped. With `--profiler-port` it also serves TensorFlow's profiler,
+so that `timeline.trace` can ask it for the ops it ran.
 
 Run as a script by its file path, so that it does not depend on how the parent found the
 package: ``python core_worker.py --task 0 --core 0 --cluster localhost:2222,localhost:2223``.
