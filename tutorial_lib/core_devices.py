@@ -42,13 +42,15 @@ _STARTUP_NOISE = re.compile(r"^(I\d{4} \d\d:\d\d:|WARNING: All log messages befo
 
 @dataclass(frozen=True)
 class Worker:
-    """One started core device: its task index, core, address, log file and process."""
+    """One started core device: its task index, core, address, log file and process, and the
+    address of its profiler server (which `timeline.trace` asks for the ops it ran)."""
 
     task: int
     core: int
     address: str
     log: Path
     process: subprocess.Popen
+    profiler: str
 
     def ready(self) -> bool:
         return self.log.exists() and core_worker.READY in self.log.read_text(errors="replace")
@@ -90,11 +92,13 @@ def cores_for(n: int, available) -> list[int]:
 def start(n: int, timeout: float | None = None) -> list[str]:
     """Start n core devices, connect this process to them and return their names."""
     cores = cores_for(n, available_cores())
-    addresses = [f"localhost:{port}" for port in free_ports(n)]
+    ports = free_ports(2 * n)  # a server port and a profiler port for each worker, all distinct
+    addresses = [f"localhost:{port}" for port in ports[:n]]
+    profilers = [f"localhost:{port}" for port in ports[n:]]
     # Under cluster.log_root(): removed at exit, or swept by a later run if this one was killed.
     log_dir = new_log_dir()
     atexit.register(shutil.rmtree, log_dir, ignore_errors=True)
-    started = [_spawn(task, core, addresses, log_dir) for task, core in enumerate(cores)]
+    started = [_spawn(task, core, addresses, profilers[task], log_dir) for task, core in enumerate(cores)]
     try:
         import tensorflow as tf  # imported here while the workers start
 
@@ -120,12 +124,13 @@ def _worker_command(task: int, core: int, addresses: list[str]) -> list[str]:
     ]
 
 
-def _spawn(task: int, core: int, addresses: list[str], log_dir: Path) -> Worker:
+def _spawn(task: int, core: int, addresses: list[str], profiler: str, log_dir: Path) -> Worker:
     log = log_dir / f"worker{task}.log"
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}  # a core device is a CPU: leave any GPU alone
+    command = [*_worker_command(task, core, addresses), "--profiler-port", profiler.rpartition(":")[2]]
     with open(log, "w") as out:
-        process = processes.spawn(_worker_command(task, core, addresses), env=env, stdout=out, stderr=subprocess.STDOUT)
-    return Worker(task, core, addresses[task], log, process)
+        process = processes.spawn(command, env=env, stdout=out, stderr=subprocess.STDOUT)
+    return Worker(task, core, addresses[task], log, process, profiler)
 
 
 def _wait_until_ready(started: list[Worker], timeout: float) -> None:

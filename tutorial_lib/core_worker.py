@@ -7,7 +7,8 @@ whose only device is `/job:worker/replica:0/task:k/device:CPU:0`.
 The process pins itself to its core *before* TensorFlow is imported: TensorFlow sizes its
 thread pools from the cores it may run on, and a pinned process cannot borrow another
 core however many threads it starts. It then prints one line starting with `READY` and
-serves until it is stopped.
+serves until it is stopped. With `--profiler-port` it also serves TensorFlow's profiler,
+so that `timeline.trace` can ask it for the ops it ran.
 
 Run as a script by its file path, so that it does not depend on how the parent found the
 package: ``python core_worker.py --task 0 --core 0 --cluster localhost:2222,localhost:2223``.
@@ -43,6 +44,9 @@ def main(argv=None) -> None:
         )
     except tf.errors.OpError as err:  # most often: another program took the port since it was picked
         sys.exit(f"core worker {args.task} cannot serve {addresses[args.task]} (is the port taken?): {err}")
+    if args.profiler_port:
+        # On demand, `timeline.trace` asks this server for a trace of the ops this worker ran.
+        tf.profiler.experimental.server.start(args.profiler_port)
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else "any"
     print(
         f"{READY}: task {args.task} (pid {os.getpid()}) serving {addresses[args.task]} on core(s) {cores}, "
@@ -57,6 +61,7 @@ def _arguments(argv) -> argparse.Namespace:
     parser.add_argument("--task", type=int, required=True, help="this worker's index in the cluster")
     parser.add_argument("--core", type=int, required=True, help="the CPU core to run on")
     parser.add_argument("--cluster", required=True, help="every worker's host:port, comma separated")
+    parser.add_argument("--profiler-port", type=int, default=0, help="serve profiler traces on this port (0: none)")
     return parser.parse_args(argv)
 
 

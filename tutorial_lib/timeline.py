@@ -6,6 +6,16 @@ type, and its start and end in milliseconds. The profiler records *when* each op
 the device comes from the placement in the function's graph, since a logical CPU has no
 timeline of its own. `busy_fraction`, `mean_busy_devices` and `plot` read the events.
 
+On core devices (`devices.simulate(n, kind="cores")`) the ops run in other processes,
+which this process's profiler cannot see. Each worker serves TensorFlow's profiler
+(`tf.profiler.experimental.server.start`, see `core_worker`), and `trace` asks all of them
+for a trace at once with `tf.profiler.experimental.client.trace`, running `fn` while they
+capture. Each worker's file holds the ops that worker ran, so its device is the worker's
+device; every file counts time from its own session start, which it records, so adding it
+puts all workers on one clock (they share this machine's clock). This process's own
+profiler runs meanwhile: ops with no `tf.device` scope run here, on no core device, and
+`trace` warns when it finds any (their device is this process's, such as '/device:CPU:0').
+
 Caveat worth teaching: an op is "busy" from its start to its end even while the OS has
 paused its thread, so on C cores more than C devices can look busy at once. Throughput,
 not the timeline, says how many really ran in parallel (notebook 00 measures both).
@@ -16,12 +26,16 @@ from __future__ import annotations
 import glob
 import re
 import tempfile
+import threading
+import time
+import warnings
 from dataclasses import dataclass
+from pathlib import Path
 from typing import NamedTuple
 
 import tensorflow as tf
 
-from . import checks
+from . import checks, core_devices
 from .devices import normalize
 
 # Bookkeeping ops that move or name data but do no work worth drawing.
@@ -33,6 +47,13 @@ PHASE_COLORS = {
     "update": "tab:green",
     "other": "tab:gray",
 }
+# Core devices: the workers' profilers start capturing within CAPTURE_LEAD_S of being asked
+# (checked afterwards from the session times each one records), and capture for the lead,
+# plus CAPTURE_MARGIN times the steps as long as an untraced step took, plus CAPTURE_SLACK_S.
+CAPTURE_LEAD_S = 0.5
+CAPTURE_MARGIN = 3.0
+CAPTURE_SLACK_S = 1.0
+JOIN_GRACE_S = 60.0  # how long after the window the profiler may take to send its traces
 # Name scopes that mark gradient communication (averaging, all-reduce): towers.average_gradients,
 # allreduce's reducers (and the notebooks' copies), and common names for the same work.
 _REDUCE_SCOPES = (
@@ -96,6 +117,9 @@ def trace(fn, *args, steps: int = 1, placement_of=None, **kwargs) -> list[Event]
     recorded. A Python function that calls several `tf.function`s (a pipeline's ticks)
     runs as it is when `placement_of` lists their concrete functions (or is a callable
     that returns them after the warm-up); their graphs then say where each op ran.
+
+    On core devices a second untraced call, timed, sizes the window in which the workers
+    capture; a traced run that outlasts it, or a worker that sends no trace, is an error.
     """
     steps = checks.whole_number(steps, "steps")
     f = fn if placement_of is not None else _as_function(fn)
@@ -111,8 +135,10 @@ def trace(fn, *args, steps: int = 1, placement_of=None, **kwargs) -> list[Event]
     # The trace files are read here and then deleted, even when fn raises: a class that traces
     # all day must not fill the temporary folder.
     with tempfile.TemporaryDirectory(prefix="tutorial_trace_") as logdir:
+        if core_devices.workers:
+            return _trace_cores(f, args, kwargs, steps, logdir, where)
         _profile(f, args, kwargs, steps, logdir)
-        return _read_events(logdir, where)
+        return _as_events(r for space in _read_spaces(logdir).values() for r in _space_events(space, where))
 
 
 def _profile(f, args, kwargs, steps: int, logdir: str) -> None:
@@ -126,6 +152,65 @@ def _profile(f, args, kwargs, steps: int, logdir: str) -> None:
         _fetch(result)
     finally:
         tf.profiler.experimental.stop()
+
+
+def _trace_cores(f, args, kwargs, steps: int, logdir: str, where: dict[str, str]) -> list[Event]:
+    """`trace` on core devices: every worker's ops, and this process's own, on one clock."""
+    hosts = {w.profiler.replace(":", "_"): core_devices.device_name(w.task) for w in core_devices.workers}
+    ran = _profile_workers(f, args, kwargs, steps, logdir, [w.profiler for w in core_devices.workers])
+    events = _core_events(_read_spaces(f"{logdir}/workers"), hosts, where, ran, _read_spaces(f"{logdir}/local"))
+    here = [e for e in events if e.device not in hosts.values()]
+    if here:
+        warnings.warn(
+            f"{len(here)} op runs of fn were in this process, on no core device (e.g. {here[0].op!r}): ops "
+            f"without a tf.device scope, such as a gradient computed outside the stages' scopes, run "
+            f"here. They are in the events as device {here[0].device!r}; put them under tf.device to "
+            "run them on a core device.",
+            stacklevel=3,
+        )
+    return events
+
+
+def _profile_workers(f, args, kwargs, steps: int, logdir: str, addresses: list[str]) -> tuple[int, int]:
+    """Run `f` `steps` times while the profiler servers at `addresses` capture into
+    `logdir`/workers, and this process's profiler into `logdir`/local.
+
+    Returns when `f` started and ended, in nanoseconds since the epoch (the profiler's clock).
+    """
+    began = time.perf_counter()
+    _fetch(f(*args, **kwargs))  # an untraced step, timed: it sizes the capture window
+    window_s = CAPTURE_LEAD_S + CAPTURE_SLACK_S + CAPTURE_MARGIN * steps * (time.perf_counter() - began)
+    failures: list[BaseException] = []
+
+    def capture() -> None:  # blocks for the whole window, so it runs beside f in a thread
+        try:
+            tf.profiler.experimental.client.trace(
+                ",".join(f"grpc://{a}" for a in addresses),
+                f"{logdir}/workers",
+                int(window_s * 1000),
+                num_tracing_attempts=1,
+            )
+        except Exception as err:  # reported after the join, in the calling thread
+            failures.append(err)
+
+    capturing = threading.Thread(target=capture, name="tutorial_trace", daemon=True)
+    capturing.start()
+    try:
+        time.sleep(CAPTURE_LEAD_S)  # the request reaches the workers and they start capturing
+        start_ns = time.time_ns()
+        _profile(f, args, kwargs, steps, f"{logdir}/local")  # the ops this process runs itself
+        end_ns = time.time_ns()
+    finally:  # even when f raises: nothing may write into logdir once it is removed
+        capturing.join(window_s + JOIN_GRACE_S)
+    if capturing.is_alive():
+        raise RuntimeError(
+            f"the core devices' profilers did not answer within {JOIN_GRACE_S:.0f} s after the "
+            f"{window_s:.1f} s capture window ({', '.join(addresses)}); are the workers still running? "
+            "Restart the kernel to start them again."
+        )
+    if failures and not glob.glob(f"{logdir}/workers/**/*.xplane.pb", recursive=True):
+        raise RuntimeError(f"the core devices' profilers returned no trace: {failures[0]}") from failures[0]
+    return start_ns, end_ns
 
 
 def _fetch(result) -> None:
@@ -153,13 +238,80 @@ class _Raw(NamedTuple):
     on_gpu_plane: bool
 
 
-def _read_events(logdir: str, where: dict[str, str]) -> list[Event]:
-    raw = [
-        r
+def _read_spaces(logdir: str) -> dict:
+    """Every trace file under `logdir`, by host (the file's name, as `localhost_12345`)."""
+    return {
+        Path(path).name.removesuffix(".xplane.pb"): _load_space(path)
         for path in glob.glob(f"{logdir}/**/*.xplane.pb", recursive=True)
-        for plane in _load_space(path).planes
-        for r in _plane_events(plane, where)
-    ]
+    }
+
+
+def _core_events(spaces: dict, hosts: dict[str, str], where: dict[str, str], ran: tuple[int, int], local=None):
+    """The ops of `fn` in the core devices' traces, and in this process's (`local`), on one clock.
+
+    `spaces`: host -> its trace; `hosts`: host -> the device its worker is; `ran`: when fn
+    started and ended (ns since the epoch). Refuses traces that miss a worker or part of fn.
+    This process's ops get their device from the graph's placement (`where`), as in `trace`.
+    """
+    missing = sorted(set(hosts) - set(spaces))
+    if missing:
+        raise RuntimeError(
+            f"the profiler returned no trace for {[hosts[h] for h in missing]}; it returned {sorted(spaces)}. "
+            "Has that worker stopped? Its log is in tutorial_lib.core_devices.workers[task].log; restart "
+            "the kernel to start the core devices again."
+        )
+    for host, device in hosts.items():
+        _check_window(spaces[host], device, ran)
+    raw = [r for host, device in hosts.items() for r in _space_events(spaces[host], where, device)]
+    raw += [r for space in (local or {}).values() for r in _space_events(space, where)]
+    return _as_events(raw)
+
+
+def _check_window(space, device: str, ran: tuple[int, int]) -> None:
+    """Refuse a trace whose capture window does not cover the whole run of fn."""
+    session = _session_ns(space)
+    if session is None:
+        raise RuntimeError(
+            f"the trace of {device} does not record when it started, so it cannot be put on the same "
+            "clock as the other devices' traces (a TensorFlow version whose profiler does not write "
+            "the 'Task Environment' plane?)."
+        )
+    if session[0] > ran[0] or session[1] < ran[1]:
+        ms = [(t - ran[0]) / 1e6 for t in (*session, ran[1])]
+        raise RuntimeError(
+            f"the profiler of {device} captured from {ms[0]:+.0f} ms to {ms[1]:+.0f} ms but fn ran from 0 to "
+            f"{ms[2]:.0f} ms, so the timeline would miss ops. The capture window is sized from an untraced "
+            "step; on a busy machine a traced step can take much longer: call trace again, or with fewer steps."
+        )
+
+
+def _session_ns(space) -> tuple[int, int] | None:
+    """When the profiler session of a trace started and stopped (ns since the epoch), if recorded."""
+    for plane in space.planes:
+        if plane.name == "Task Environment":
+            stats = {plane.stat_metadata[s.metadata_id].name: s.uint64_value for s in plane.stats}
+            if "profile_start_time" in stats and "profile_stop_time" in stats:
+                return stats["profile_start_time"], stats["profile_stop_time"]
+    return None
+
+
+def _space_events(space, where: dict[str, str], device: str | None = None):
+    """The ops of one trace file, timed in picoseconds since the epoch where the file says
+    when its session started (its lines count from there).
+
+    `device`: the device that wrote this file (a core device's worker), or None for this
+    process's own trace, where the graph's placement (`where`) says each op's device.
+    """
+    session = _session_ns(space)
+    start_ps = session[0] * 1000 if session else 0
+    for plane in space.planes:
+        for r in _plane_events(plane, where, start_ps):
+            yield r._replace(device=device) if device else r
+
+
+def _as_events(raw) -> list[Event]:
+    """Events in milliseconds from the first op's start, sorted by start."""
+    raw = list(raw)
     # On GPUs the host plane only shows kernel launches; keep the GPU plane's kernels.
     gpu_timed = any(r.on_gpu_plane for r in raw)
     raw = [r for r in raw if r.on_gpu_plane or not (gpu_timed and "GPU" in r.device)]
@@ -179,11 +331,12 @@ def _load_space(path: str):
     return space
 
 
-def _plane_events(plane, where: dict[str, str]):
-    """The ops of one profiler plane (a host's threads, or a GPU) that ran on a known device."""
+def _plane_events(plane, where: dict[str, str], start_ps: int = 0):
+    """The ops of one profiler plane (a host's threads, or a GPU) that ran on a known device;
+    `start_ps`: when the plane's session started (its lines' times count from there)."""
     on_gpu = plane.name.startswith("/device:GPU")
     for line in plane.lines:
-        t0 = line.timestamp_ns * 1000
+        t0 = start_ps + line.timestamp_ns * 1000
         for e in line.events:
             label = _op_label(plane, e) if on_gpu else plane.event_metadata[e.metadata_id].name
             op, _, op_type = label.rpartition(":")
