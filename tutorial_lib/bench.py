@@ -7,13 +7,54 @@ machine, or one minute, to the next. The timing tools themselves are in `timing`
 
 from __future__ import annotations
 
+import functools
 import time
 
+from . import timing
 from .timing import measure
 
 
+def _device_model() -> str:
+    """How the devices in use are made: "cores", "logical" or "real" (see `devices.MODELS`)."""
+    from . import devices
+
+    layout = devices.current()
+    return layout.model if layout else "none"
+
+
 def _row(case, variant, seconds, spread, **extra):
-    return {"case": case, "variant": variant, "ms": 1e3 * seconds, "spread_ms": 1e3 * spread, **extra}
+    return {
+        "case": case,
+        "variant": variant,
+        "ms": 1e3 * seconds,
+        "spread_ms": 1e3 * spread,
+        **extra,
+        "device_model": _device_model(),
+    }
+
+
+def _compared(variant: timing.Timing, baseline: timing.Timing, name: str) -> dict:
+    """`name` (baseline's time over variant's), its range from the spreads, and the verdict on variant."""
+    value, low, high = timing.ratio(baseline, variant)
+    return {name: value, f"{name}_range": [low, high], f"{name}_verdict": timing.verdict(variant, baseline)}
+
+
+def _checksums(devs, per_device):
+    """One scalar per device: the sum of every result on it.
+
+    A timed function returns these instead of its results. Fetching them waits for every
+    result (on a GPU, for the kernels behind them, not only their launch), without copying
+    the results themselves into this process, which on core devices would add a transfer
+    to the time. A data dependency, because TensorFlow prunes ops that only a control
+    dependency keeps.
+    """
+    import tensorflow as tf
+
+    sums = []
+    for d, results in zip(devs, per_device, strict=True):
+        with tf.device(d):
+            sums.append(tf.add_n([tf.reduce_sum(r) for r in tf.nest.flatten(results)]))
+    return sums
 
 
 def synthetic_batch(examples, seed=0):
@@ -27,31 +68,56 @@ def synthetic_batch(examples, seed=0):
 
 
 def weak_scaling(devs, hidden=(256, 256), per_device=256, repeats=15):
-    """Same batch per device, 1..N devices: hand towers, ring with replicas, MirroredStrategy."""
+    """Same batch per device, 1..N devices, for each per-device batch (an int or a sweep of them).
+
+    Variants: hand towers (`towers.make_train_step`), ring all-reduce between replicas, and
+    TensorFlow's own data parallelism: `MirroredStrategy` on devices of this process,
+    `MultiWorkerMirroredStrategy` with one worker per core on core devices (see
+    `bench_worker`), with the hand towers' speedup over it. Efficiency on k devices is the
+    one-device step time over the k-device one, with the range that the spreads allow.
+    """
+    sweep = (per_device,) if isinstance(per_device, int) else tuple(per_device)
+    rows = []
+    for b in sweep:
+        rows += _weak_scaling_at(devs, hidden, b, repeats)
+    if _device_model() == "cores" and len(devs) > 1:
+        rows += _mwms_rows(rows, devs, hidden, sweep, repeats)
+    return rows
+
+
+def _weak_scaling_at(devs, hidden, per_device, repeats):
+    """Every variant at 1..N devices, all timed in the same interleaved rounds."""
+    x, y = synthetic_batch(per_device * len(devs))
+    variants = {}
+    for k in range(1, len(devs) + 1):
+        xk, yk = x[: per_device * k], y[: per_device * k]
+        for name, step in _weak_variants(devs[:k], hidden, xk, yk).items():
+            variants[name, k] = functools.partial(step, xk, yk)
+    timings = timing.interleaved(variants, rounds=repeats)
+    rows = []
+    for (name, k), t in timings.items():
+        row = _row("weak scaling", name, *t, devices=k, per_device=per_device, examples_per_s=per_device * k / t.median)
+        efficiency, low, high = timing.ratio(timings[name, 1], t)
+        rows.append({**row, "efficiency": efficiency, "efficiency_range": [low, high]})
+    return rows
+
+
+def _weak_variants(devs, hidden, x, y) -> dict:
+    """Each data-parallel step over `devs`, by name; each returns a loss from every device that trains."""
     import tensorflow as tf
 
     from . import models, towers
 
-    rows = []
-    x, y = synthetic_batch(per_device * len(devs))
-    for k in range(1, len(devs) + 1):
-        xk, yk = x[: per_device * k], y[: per_device * k]
-        with tf.device(devs[0]):
-            net = models.MLP(hidden=hidden)
-        t, s = measure(towers.make_train_step(net, devs[:k], 0.01), xk, yk, repeats=repeats)
-        rows.append(_row("weak scaling", "hand towers", t, s, devices=k, examples_per_s=per_device * k / t))
-        replicas = []
-        for d in devs[:k]:
-            with tf.device(d):
-                replicas.append(models.MLP(hidden=hidden))
-        t, s = measure(_ring_step(replicas, devs[:k]), xk, yk, repeats=repeats)
-        rows.append(_row("weak scaling", "ring, replicated", t, s, devices=k, examples_per_s=per_device * k / t))
-        t, s = _mirrored(devs[:k], hidden, xk, yk, repeats)
-        rows.append(_row("weak scaling", "MirroredStrategy", t, s, devices=k, examples_per_s=per_device * k / t))
-    for row in rows:
-        one = next(r for r in rows if r["variant"] == row["variant"] and r["devices"] == 1)
-        row["efficiency"] = row["examples_per_s"] / (row["devices"] * one["examples_per_s"])
-    return rows
+    with tf.device(devs[0]):
+        net = models.MLP(hidden=hidden)
+    replicas = []
+    for d in devs:
+        with tf.device(d):
+            replicas.append(models.MLP(hidden=hidden))
+    variants = {"hand towers": towers.make_train_step(net, devs, 0.01), "ring, replicated": _ring_step(replicas, devs)}
+    if _device_model() != "cores":  # MirroredStrategy refuses devices of other processes
+        variants["MirroredStrategy"] = _mirrored_step(devs, hidden, x, y)
+    return variants
 
 
 def _ring_step(replicas, devs):
@@ -61,19 +127,23 @@ def _ring_step(replicas, devs):
 
     @tf.function
     def step(x, y):
-        grads = []
+        grads, losses = [], []
         for d, net, xs, ys in zip(devs, replicas, tf.split(x, len(devs)), tf.split(y, len(devs)), strict=True):
             with tf.device(d):
                 with tf.GradientTape() as tape:
                     loss = models.cross_entropy(net(xs), ys)
                 grads.append(tape.gradient(loss, net.trainable_variables))
+                losses.append(loss)
         for net, g in zip(replicas, allreduce.allreduce_grads(grads, method="ring"), strict=True):
             towers.apply_sgd(net.trainable_variables, g, 0.01)
+        # One value from every device: on a GPU, fetching them waits for each device's work.
+        return losses
 
     return step
 
 
-def _mirrored(devs, hidden, x, y, repeats):
+def _mirrored_step(devs, hidden, x, y):
+    """MirroredStrategy's step on this batch, as a function of (x, y) like the others (it splits them itself)."""
     import tensorflow as tf
 
     from . import models
@@ -87,7 +157,25 @@ def _mirrored(devs, hidden, x, y, repeats):
     dist = strategy.experimental_distribute_values_from_function(
         lambda ctx: (tf.split(x, k)[ctx.replica_id_in_sync_group], tf.split(y, k)[ctx.replica_id_in_sync_group])
     )
-    return measure(step, *dist, repeats=repeats)
+    return lambda _x, _y: step(*dist)
+
+
+def _mwms_rows(rows, devs, hidden, sweep, repeats):
+    """MultiWorkerMirroredStrategy on as many cores as devices, against the hand towers on the devices."""
+    from .bench_worker import time_mwms
+
+    k = len(devs)
+    print(f"[weak] MultiWorkerMirroredStrategy: {k} worker processes, one per core ...", flush=True)
+    timings = time_mwms(k, hidden, sweep, rounds=repeats)
+    new = []
+    for b, t in timings.items():
+        hand = next(r for r in rows if (r["variant"], r["devices"], r["per_device"]) == ("hand towers", k, b))
+        hand_t = timing.Timing(hand["ms"] / 1e3, hand["spread_ms"] / 1e3)
+        row = _row(
+            "weak scaling", "MultiWorkerMirroredStrategy", *t, devices=k, per_device=b, examples_per_s=b * k / t.median
+        )
+        new.append({**row, **_compared(hand_t, t, "hand_towers_speedup")})
+    return new
 
 
 def strong_scaling(devs, hidden=(256, 256), global_batch=512, repeats=15):
@@ -96,17 +184,20 @@ def strong_scaling(devs, hidden=(256, 256), global_batch=512, repeats=15):
 
     from . import models, towers
 
-    rows = []
     x, y = synthetic_batch(global_batch)
+    variants = {}
     for k in range(1, len(devs) + 1):
         if global_batch % k:
             continue
         with tf.device(devs[0]):
             net = models.MLP(hidden=hidden)
-        t, s = measure(towers.make_train_step(net, devs[:k], 0.01), x, y, repeats=repeats)
-        rows.append(_row("strong scaling", "hand towers", t, s, devices=k, examples_per_s=global_batch / t))
-    for row in rows:
-        row["efficiency"] = row["examples_per_s"] / (row["devices"] * rows[0]["examples_per_s"])
+        variants[k] = functools.partial(towers.make_train_step(net, devs[:k], 0.01), x, y)
+    timings = timing.interleaved(variants, rounds=repeats)
+    rows = []
+    for k, t in timings.items():
+        row = _row("strong scaling", "hand towers", *t, devices=k, examples_per_s=global_batch / t.median)
+        efficiency, low, high = timing.ratio(timings[1], t)
+        rows.append({**row, "efficiency": efficiency / k, "efficiency_range": [low / k, high / k]})
     return rows
 
 
@@ -127,63 +218,105 @@ def packing(devs, tensors=100, elements=1000, repeats=15):
                 grads.append([tf.fill([elements], base + float(i + j)) for j in range(tensors)])
         return grads
 
-    one_by_one = tf.function(lambda b: allreduce.allreduce_grads(gradients(b), devices=devs))
-    bucketed = tf.function(lambda b: allreduce.packed_allreduce_grads(gradients(b), nbytes, devices=devs))
-    rows = []
-    for variant, fn in ((f"{tensors} tensors, one all-reduce each", one_by_one), ("packed into one bucket", bucketed)):
-        t, s = measure(fn, tf.constant(1.0), repeats=repeats)
-        rows.append(_row("packing", variant, t, s, devices=len(devs), bytes=nbytes))
-    rows[1]["speedup"] = rows[0]["ms"] / rows[1]["ms"]
+    one_by_one = tf.function(lambda b: _checksums(devs, allreduce.allreduce_grads(gradients(b), devices=devs)))
+    bucketed = tf.function(
+        lambda b: _checksums(devs, allreduce.packed_allreduce_grads(gradients(b), nbytes, devices=devs))
+    )
+    base = tf.constant(1.0)
+    names = (f"{tensors} tensors, one all-reduce each", "packed into one bucket")
+    timings = timing.interleaved(
+        {names[0]: functools.partial(one_by_one, base), names[1]: functools.partial(bucketed, base)}, rounds=repeats
+    )
+    rows = [_row("packing", name, *timings[name], devices=len(devs), bytes=nbytes) for name in names]
+    rows[1].update(_compared(timings[names[1]], timings[names[0]], "speedup"))
     return rows
 
 
-def allreduce_methods(devs, sizes=(1_000, 100_000, 1_000_000), repeats=15):
-    """Central, ring and TensorFlow's collective all-reduce across sizes, with bus bandwidth."""
+# Tensor sizes (float32 elements) of the all-reduce case: from one element, where the time is
+# the latency of the messages alone, to 4 MB, where it is bandwidth; the tiny ones pin down
+# the fitted latency (alpha), which the large ones alone leave to the noise.
+ALLREDUCE_SIZES = (1, 10, 100, 1_000, 10_000, 100_000, 1_000_000)
+
+
+def allreduce_methods(devs, sizes=ALLREDUCE_SIZES, repeats=15):
+    """Central, ring and (on devices of this process) TensorFlow's collective all-reduce across
+    sizes, with bus bandwidth; then each method's fitted latency and bandwidth (alpha-beta)."""
     import tensorflow as tf
 
     from . import allreduce
-    from .strategy import mirrored_strategy
 
     n, rows = len(devs), []
-    strategy = mirrored_strategy(devs)
+    methods = {
+        "central": tf.function(lambda ts: _checksums(devs, allreduce.central_all_reduce(ts, devices=devs))),
+        "ring": tf.function(lambda ts: _checksums(devs, allreduce.ring_all_reduce(ts, devices=devs))),
+    }
+    collective = _collective_all_reduce(devs)
     for size in sizes:
         tensors = []
         for i, d in enumerate(devs):
             with tf.device(d):
                 tensors.append(tf.fill([size], float(i)))
-        methods = {
-            "central": tf.function(lambda ts: allreduce.central_all_reduce(ts, devices=devs)),
-            "ring": tf.function(lambda ts: allreduce.ring_all_reduce(ts, devices=devs)),
-        }
-        collective = tf.function(
-            lambda size=size: strategy.run(
-                lambda: tf.distribute.get_replica_context().all_reduce("SUM", tf.ones([size]))
-            )
+        variants = {name: functools.partial(fn, tensors) for name, fn in methods.items()}
+        if collective:
+            variants["collective (MirroredStrategy)"] = functools.partial(collective, size)
+        for name, t in timing.interleaved(variants, rounds=repeats).items():
+            bus = 2 * (n - 1) / n * size * 4 / t.median / 1e9
+            rows.append(_row("all-reduce", name, *t, devices=n, bytes=size * 4, bus_gb_per_s=bus))
+    return rows + _alpha_beta_rows(rows, n)
+
+
+def _collective_all_reduce(devs):
+    """TensorFlow's collective all-reduce under MirroredStrategy, as a function of the size; None on
+    core devices, where MirroredStrategy refuses devices of other processes."""
+    import tensorflow as tf
+
+    from .strategy import mirrored_strategy
+
+    if _device_model() == "cores":
+        return None
+    strategy = mirrored_strategy(devs)
+
+    @tf.function
+    def collective(size):
+        summed = strategy.run(lambda: tf.distribute.get_replica_context().all_reduce("SUM", tf.ones([size])))
+        return _checksums(devs, strategy.experimental_local_results(summed))
+
+    return collective
+
+
+def _alpha_beta_rows(rows, n):
+    """Each method's latency per message (alpha) and link bandwidth (1/beta), fitted on its medians."""
+    from . import costmodel
+
+    fits = []
+    for method, algorithm in (("central", "central"), ("ring", "ring"), ("collective (MirroredStrategy)", "ring")):
+        mine = sorted((r["bytes"], r["ms"] / 1e3) for r in rows if r["variant"] == method)
+        if len({b for b, _ in mine}) < 2:
+            continue
+        link = costmodel.fit_alpha_beta([b for b, _ in mine], [t for _, t in mine], n, algorithm)
+        messages = 2 * (n - 1)
+        fits.append(
+            {
+                "case": "all-reduce fit",
+                "variant": f"{method} ({algorithm} model)",
+                "ms": None,
+                "spread_ms": None,
+                "devices": n,
+                "alpha_us": 1e6 * link.alpha,
+                # The latency read directly off the smallest size, for comparison with the fit;
+                # a fitted alpha of 0 means the fit clipped a negative intercept.
+                "smallest_us_per_message": 1e6 * mine[0][1] / messages,
+                "link_gb_per_s": 1 / link.beta / 1e9 if link.beta > 0 else None,
+                "device_model": _device_model(),
+            }
         )
-        nbytes = size * 4
-        for name, fn in methods.items():
-            t, s = measure(fn, tensors, repeats=repeats)
-            rows.append(
-                _row("all-reduce", name, t, s, devices=n, bytes=nbytes, bus_gb_per_s=2 * (n - 1) / n * nbytes / t / 1e9)
-            )
-        t, s = measure(collective, repeats=repeats)
-        rows.append(
-            _row(
-                "all-reduce",
-                "collective (MirroredStrategy)",
-                t,
-                s,
-                devices=n,
-                bytes=nbytes,
-                bus_gb_per_s=2 * (n - 1) / n * nbytes / t / 1e9,
-            )
-        )
-    return rows
+    return fits
 
 
 def input_pipeline(devs, batch=256, steps=20, read_ms=2.0, repeats=5):
     """A training step fed by tf.data whose reads wait `read_ms` per batch (an emulated disk or
-    network): no prefetch, tf.data prefetch, prefetch to the device."""
+    network): no prefetch, tf.data prefetch, and prefetch to the device where the device is in
+    this process (a dataset cannot be sent to a core device's process)."""
     import tensorflow as tf
     from tensorflow.python.data.experimental.ops.testing import sleep  # tf.data's own test helper
 
@@ -194,24 +327,23 @@ def input_pipeline(devs, batch=256, steps=20, read_ms=2.0, repeats=5):
     base = base.apply(sleep(int(read_ms * 1000)))  # waits without using a core, as a disk read does
     plain = tf.data.Options()
     plain.experimental_optimization.inject_prefetch = False  # or tf.data adds a prefetch by itself
-    variants = {
-        "no prefetch": base.with_options(plain),
-        "tf.data prefetch": base.prefetch(2),
-        "prefetch to the device": base.apply(tf.data.experimental.prefetch_to_device(devs[0], 2)),
-    }
+    variants = {"no prefetch": base.with_options(plain), "tf.data prefetch": base.prefetch(2)}
+    if _device_model() != "cores":  # prefetch_to_device cannot send a dataset to another process
+        variants["prefetch to the device"] = base.apply(tf.data.experimental.prefetch_to_device(devs[0], 2))
     with tf.device(devs[0]):
         net = models.MLP(hidden=(512, 512))
     step = towers.make_train_step(net, devs[:1], 0.01)
+
+    def epoch(ds):
+        for xb, yb in ds:
+            loss = step(xb, yb)
+        return loss
+
+    timings = timing.interleaved({name: functools.partial(epoch, ds) for name, ds in variants.items()}, rounds=repeats)
     rows = []
-    for name, ds in variants.items():
-
-        def epoch(ds=ds):
-            for xb, yb in ds:
-                loss = step(xb, yb)
-            return loss
-
-        t, s = measure(epoch, repeats=repeats)
-        rows.append(_row("input pipeline", name, t / steps, s / steps, devices=1, read_ms=read_ms))
+    for name, t in timings.items():
+        row = _row("input pipeline", name, t.median / steps, t.spread / steps, devices=1, read_ms=read_ms)
+        rows.append({**row, **_compared(t, timings["no prefetch"], "speedup")} if rows else row)
     return rows
 
 
@@ -272,6 +404,7 @@ def mixed_precision(devs, repeats=10):
                 "ms": None,
                 "spread_ms": None,
                 "reason": "no GPU with tensor cores (compute capability 7.0+); CPUs gain nothing from float16",
+                "device_model": _device_model(),
             }
         ]
 
@@ -282,14 +415,16 @@ def mixed_precision(devs, repeats=10):
 
     with tf.device(devs[0]):
         x = tf.random.normal([4096, 4096])
-    rows = []
+    variants = {}
     for dtype in (tf.float32, tf.float16):
         with tf.device(devs[0]):
-            a = tf.cast(x, dtype)
-        t, s = measure(matmul, a, repeats=repeats)
-        rows.append(
-            _row("mixed precision", f"matmul 4096 {dtype.name}", t, s, devices=1, tflops=2 * 4096**3 / t / 1e12)
-        )
+            variants[f"matmul 4096 {dtype.name}"] = functools.partial(matmul, tf.cast(x, dtype))
+    timings = timing.interleaved(variants, rounds=repeats)
+    rows = [
+        _row("mixed precision", name, *t, devices=1, tflops=2 * 4096**3 / t.median / 1e12)
+        for name, t in timings.items()
+    ]
+    rows[1].update(_compared(timings["matmul 4096 float16"], timings["matmul 4096 float32"], "speedup"))
     return rows
 
 
@@ -304,13 +439,21 @@ CASES = {
 }
 
 
+def _note(key, value) -> str:
+    if isinstance(value, float):
+        return f"{key} {value:.3g}"
+    if isinstance(value, list):
+        return f"{key} [{', '.join(f'{v:.3g}' if isinstance(v, float) else str(v) for v in value)}]"
+    return f"{key} {value}"
+
+
 def format_table(rows) -> str:
     lines = [f"{'case':16s} {'variant':38s} {'devices':>7s} {'ms':>9s} {'spread':>8s}  notes"]
     for r in rows:
         notes = ", ".join(
-            f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}"
+            _note(k, v)
             for k, v in r.items()
-            if k not in ("case", "variant", "ms", "spread_ms", "devices")
+            if k not in ("case", "variant", "ms", "spread_ms", "devices", "device_model")
         )
         ms = "-" if r["ms"] is None else f"{r['ms']:9.3f}"
         spread = "-" if r["spread_ms"] is None else f"{r['spread_ms']:8.3f}"
@@ -339,9 +482,21 @@ def _parser():
         default=min(2, os.cpu_count() or 1),
         help="devices to use (default: 2, or the number of cores if fewer)",
     )
+    parser.add_argument(
+        "--device-model",
+        choices=("cores", "logical"),
+        default="cores",
+        help="cores (default): one TensorFlow server process per device, each on its own core, which "
+        "is right for speed; logical: devices of this process (real GPUs where there are enough)",
+    )
     parser.add_argument("--hidden", type=int, default=256, help="width of the MLP's two hidden layers")
-    parser.add_argument("--batch", type=int, default=256, help="examples per device")
-    parser.add_argument("--repeats", type=int, default=15, help="timed runs per figure (median reported)")
+    parser.add_argument("--batch", type=int, default=256, help="examples per device (strong scaling, input)")
+    parser.add_argument(
+        "--per-device",
+        default="64,256,1024,4096",
+        help="per-device batches of the weak-scaling sweep, comma separated (default 64,256,1024,4096)",
+    )
+    parser.add_argument("--repeats", type=int, default=15, help="interleaved timed rounds per figure (median reported)")
     parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated subset of {','.join(CASES)}")
     parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON to the file PATH")
     return parser
@@ -355,6 +510,7 @@ def _parse(argv):
         parser.error(f"--devices must be >= 1, got {args.devices}")
     if args.hidden < 1 or args.batch < 1 or args.repeats < 1:
         parser.error("--hidden, --batch and --repeats must be >= 1")
+    args.per_device = _per_device_sweep(parser, args.per_device)
     cases = _selected_cases(parser, args.cases)
     if args.json:
         _check_json_path(parser, args.json)
@@ -371,6 +527,16 @@ def _selected_cases(parser, text: str) -> list[str]:
     return cases
 
 
+def _per_device_sweep(parser, text: str) -> tuple[int, ...]:
+    try:
+        sweep = tuple(dict.fromkeys(int(v) for v in text.split(",") if v.strip()))
+    except ValueError:
+        sweep = ()
+    if not sweep or min(sweep) < 1:
+        parser.error(f"--per-device {text!r}: give whole numbers >= 1 separated by commas, such as 64,256,1024")
+    return sweep
+
+
 def _check_json_path(parser, path: str) -> None:
     import os
 
@@ -384,13 +550,13 @@ def _check_json_path(parser, path: str) -> None:
 def _case_options(args) -> dict[str, dict]:
     hidden = (args.hidden, args.hidden)
     return {
-        "weak": dict(hidden=hidden, per_device=args.batch, repeats=args.repeats),
+        "weak": dict(hidden=hidden, per_device=args.per_device, repeats=args.repeats),
         "strong": dict(hidden=hidden, global_batch=args.batch * args.devices, repeats=args.repeats),
         "packing": dict(repeats=args.repeats),
         "allreduce": dict(repeats=args.repeats),
-        "input": dict(batch=args.batch),
+        "input": dict(batch=args.batch, repeats=min(args.repeats, 5)),  # an epoch per round: fewer suffice
         "pipeline": {},
-        "mixed": {},
+        "mixed": dict(repeats=args.repeats),
     }
 
 
@@ -409,28 +575,49 @@ def _run_cases(cases, devs, options) -> list[dict]:
     return rows
 
 
-def main(argv=None) -> int:
-    import json
+def _warn_if_busy() -> None:
+    """Say so before measuring when other programs already keep every core busy."""
     import os
     import sys
 
-    args, cases = _parse(argv)
-    cores = os.cpu_count() or 1
-    if args.devices > cores:
+    if not hasattr(os, "getloadavg"):  # Windows: no load average to read
+        return
+    message = timing.busy_warning(os.getloadavg()[0], os.cpu_count() or 1)
+    if message:
+        print(message, file=sys.stderr, flush=True)
+
+
+def _warn_if_more_devices_than_cores(n: int, cores: int) -> None:
+    import sys
+
+    if n > cores:
         print(
-            f"warning: {args.devices} simulated devices on {cores} cores: at most {cores} run at once, so "
+            f"warning: {n} simulated devices on {cores} cores: at most {cores} run at once, so "
             "speedups beyond that show correctness, not speed (notebook 00).",
             file=sys.stderr,
         )
 
+
+def main(argv=None) -> int:
+    import json
+    import os
+
     from . import devices
 
-    devs = devices.simulate(args.devices)
+    args, cases = _parse(argv)
+    cores = os.cpu_count() or 1
+    _warn_if_more_devices_than_cores(args.devices, cores)
+    _warn_if_busy()
+    start = time.perf_counter()
+    devs = devices.simulate(args.devices, kind="cores" if args.device_model == "cores" else "auto")
     rows = _run_cases(cases, devs, _case_options(args))
     print(format_table(rows))
+    seconds = time.perf_counter() - start
+    print(f"{len(rows)} figures on {args.devices} {_device_model()} device(s) in {seconds:.0f} s")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"devices": devs, "cores": cores, "options": vars(args), "rows": rows}, f, indent=1)
+            summary = {"devices": devs, "device_model": _device_model(), "cores": cores, "seconds": seconds}
+            json.dump({**summary, "options": vars(args), "rows": rows}, f, indent=1)
         print(f"wrote {args.json}")
     return 0
 
