@@ -1,8 +1,16 @@
 """The course's benchmark: `python -m tutorial_lib.bench` measures every case on this machine.
 
-Each case measures its variants in one run, on the same devices at the same moment, and
-reports ratios (efficiency, speedup) beside the times: only ratios carry over from one
-machine, or one minute, to the next. The timing tools themselves are in `timing`.
+Each case measures its variants in one run, on the same devices, in interleaved rounds
+(`timing.interleaved`: round r times variant A once, B once, ...), and reports ratios
+(efficiency, speedup) beside the times, with the range their spreads allow and a verdict
+computed from them ("faster", "slower", "no significant difference"): only ratios carry
+over from one machine, or one minute, to the next.
+
+The devices are core devices by default (`devices.simulate(n, kind="cores")`: one
+TensorFlow server process per device, each on its own core), because logical devices of one
+process share its threads and cannot show parallelism; `--device-model logical` uses
+devices of this process instead. Every row says which in `device_model`. A busy machine
+(load average above the core count) is reported before measuring.
 """
 
 from __future__ import annotations
@@ -73,8 +81,9 @@ def weak_scaling(devs, hidden=(256, 256), per_device=256, repeats=15):
     Variants: hand towers (`towers.make_train_step`), ring all-reduce between replicas, and
     TensorFlow's own data parallelism: `MirroredStrategy` on devices of this process,
     `MultiWorkerMirroredStrategy` with one worker per core on core devices (see
-    `bench_worker`), with the hand towers' speedup over it. Efficiency on k devices is the
-    one-device step time over the k-device one, with the range that the spreads allow.
+    `bench_worker`; timed in its own processes, so not in the others' rounds), with the hand
+    towers' speedup over it. Efficiency on k devices is the one-device step time over the
+    k-device one, with the range that the spreads allow.
     """
     sweep = (per_device,) if isinstance(per_device, int) else tuple(per_device)
     rows = []
@@ -174,6 +183,7 @@ def _mwms_rows(rows, devs, hidden, sweep, repeats):
         row = _row(
             "weak scaling", "MultiWorkerMirroredStrategy", *t, devices=k, per_device=b, examples_per_s=b * k / t.median
         )
+        row["timed"] = "in its own processes, after the other variants: not interleaved with them"
         new.append({**row, **_compared(hand_t, t, "hand_towers_speedup")})
     return new
 
