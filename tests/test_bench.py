@@ -216,6 +216,51 @@ def test_the_default_all_reduce_sizes_start_tiny_so_that_the_latency_is_measured
     assert len(bench.ALLREDUCE_SIZES) >= 5
 
 
+def test_summary_lines_are_computed_from_the_rows():
+    def weak(variant, per_device, efficiency):
+        return {
+            "case": "weak scaling",
+            "variant": variant,
+            "devices": 2,
+            "per_device": per_device,
+            "efficiency": efficiency,
+        }
+
+    rows = [
+        weak("hand towers", 64, 0.5),
+        weak("hand towers", 1024, 0.9),
+        weak("hand towers", 256, 0.7),
+        weak("ring, replicated", 64, 0.6),
+        weak("ring, replicated", 256, 0.4),
+        {"case": "weak scaling", "variant": "hand towers", "devices": 1, "per_device": 64, "efficiency": 1.0},
+        {
+            "case": "weak scaling",
+            "variant": "MultiWorkerMirroredStrategy",
+            "devices": 2,
+            "per_device": 64,
+            "hand_towers_speedup": 1.234,
+            "hand_towers_speedup_verdict": "faster",
+        },
+        {"case": "packing", "variant": "packed into one bucket", "speedup": 4.0, "speedup_verdict": "faster"},
+        {
+            "case": "all-reduce fit",
+            "variant": "ring (ring model)",
+            "alpha_us": 12.3,
+            "smallest_us_per_message": 20.0,
+            "link_gb_per_s": None,
+        },
+    ]
+    assert bench.summary(rows) == [
+        "hand towers, 2 devices, weak-scaling efficiency per per-device batch: 0.50 at 64, 0.70 at 256, "
+        "0.90 at 1024; best 0.90 at 1024; rising with the batch: yes",
+        "ring, replicated, 2 devices, weak-scaling efficiency per per-device batch: 0.60 at 64, 0.40 at 256; "
+        "best 0.60 at 64; rising with the batch: no",
+        "hand towers vs MultiWorkerMirroredStrategy at 64 per device: 1.23x (faster)",
+        "packing into one bucket: 4.00x (faster)",
+        "ring (ring model): alpha 12 us per message (smallest size: 20 us), link unbounded (beta fitted as 0)",
+    ]
+
+
 # --- the default: core devices, in a process of their own -----------------------------
 
 
@@ -227,6 +272,7 @@ def test_cli_on_core_devices_by_default(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(path.read_text())
     assert report["device_model"] == "cores" and report["options"]["device_model"] == "cores"
+    assert report["summary"] and "[weak] running" in result.stdout
     rows = report["rows"]
     assert {r["device_model"] for r in rows} == {"cores"}
     variants = {r["variant"] for r in rows if r["case"] == "weak scaling"}

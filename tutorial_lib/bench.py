@@ -16,6 +16,7 @@ devices of this process instead. Every row says which in `device_model`. A busy 
 from __future__ import annotations
 
 import functools
+import itertools
 import time
 
 from . import timing
@@ -471,6 +472,53 @@ def format_table(rows) -> str:
     return "\n".join(lines)
 
 
+def summary(rows) -> list[str]:
+    """The headline of each case measured, computed from its rows: one line each."""
+    lines = [*_weak_summary(rows)]
+    for r in rows:
+        if r["variant"] == "MultiWorkerMirroredStrategy":
+            lines.append(
+                f"hand towers vs MultiWorkerMirroredStrategy at {r['per_device']} per device: "
+                f"{r['hand_towers_speedup']:.2f}x ({r['hand_towers_speedup_verdict']})"
+            )
+        elif r["case"] == "packing" and "speedup" in r:
+            lines.append(f"packing into one bucket: {r['speedup']:.2f}x ({r['speedup_verdict']})")
+        elif r["case"] == "all-reduce fit":
+            lines.append(
+                f"{r['variant']}: alpha {r['alpha_us']:.0f} us per message (smallest size: "
+                f"{r['smallest_us_per_message']:.0f} us), link {_gb(r['link_gb_per_s'])}"
+            )
+    return lines
+
+
+def _gb(value) -> str:
+    return "unbounded (beta fitted as 0)" if value is None else f"{value:.3g} GB/s"
+
+
+def _weak_summary(rows) -> list[str]:
+    lines = []
+    for (variant, k), mine in _groups(rows, "weak scaling").items():
+        if k == 1 or "efficiency" not in mine[0]:
+            continue
+        mine.sort(key=lambda r: r["per_device"])
+        figures = ", ".join(f"{r['efficiency']:.2f} at {r['per_device']}" for r in mine)
+        best = max(mine, key=lambda r: r["efficiency"])
+        rising = all(a["efficiency"] < b["efficiency"] for a, b in itertools.pairwise(mine))
+        lines.append(
+            f"{variant}, {k} devices, weak-scaling efficiency per per-device batch: {figures}; "
+            f"best {best['efficiency']:.2f} at {best['per_device']}; rising with the batch: {'yes' if rising else 'no'}"
+        )
+    return lines
+
+
+def _groups(rows, case) -> dict:
+    groups = {}
+    for r in rows:
+        if r["case"] == case:
+            groups.setdefault((r["variant"], r["devices"]), []).append(r)
+    return groups
+
+
 # Cases that need two devices, with the reason printed when they are skipped on one.
 _NEEDS_TWO_DEVICES = {
     "packing": "an all-reduce needs 2 or more devices",
@@ -585,16 +633,18 @@ def _run_cases(cases, devs, options) -> list[dict]:
     return rows
 
 
-def _warn_if_busy() -> None:
-    """Say so before measuring when other programs already keep every core busy."""
+def _warn_if_busy() -> float | None:
+    """Say so before measuring when other programs already keep every core busy; return the load."""
     import os
     import sys
 
     if not hasattr(os, "getloadavg"):  # Windows: no load average to read
-        return
-    message = timing.busy_warning(os.getloadavg()[0], os.cpu_count() or 1)
+        return None
+    load = os.getloadavg()[0]
+    message = timing.busy_warning(load, os.cpu_count() or 1)
     if message:
         print(message, file=sys.stderr, flush=True)
+    return load
 
 
 def _warn_if_more_devices_than_cores(n: int, cores: int) -> None:
@@ -617,17 +667,19 @@ def main(argv=None) -> int:
     args, cases = _parse(argv)
     cores = os.cpu_count() or 1
     _warn_if_more_devices_than_cores(args.devices, cores)
-    _warn_if_busy()
+    load = _warn_if_busy()
     start = time.perf_counter()
     devs = devices.simulate(args.devices, kind="cores" if args.device_model == "cores" else "auto")
     rows = _run_cases(cases, devs, _case_options(args))
     print(format_table(rows))
+    print("\n".join(summary(rows)))
     seconds = time.perf_counter() - start
     print(f"{len(rows)} figures on {args.devices} {_device_model()} device(s) in {seconds:.0f} s")
     if args.json:
         with open(args.json, "w") as f:
-            summary = {"devices": devs, "device_model": _device_model(), "cores": cores, "seconds": seconds}
-            json.dump({**summary, "options": vars(args), "rows": rows}, f, indent=1)
+            about = {"devices": devs, "device_model": _device_model(), "cores": cores, "load_average": load}
+            about["seconds"] = seconds
+            json.dump({**about, "summary": summary(rows), "options": vars(args), "rows": rows}, f, indent=1)
         print(f"wrote {args.json}")
     return 0
 
