@@ -459,7 +459,7 @@ def _note(key, value) -> str:
 
 
 def format_table(rows) -> str:
-    lines = [f"{'case':16s} {'variant':38s} {'devices':>7s} {'ms':>9s} {'spread':>8s}  notes"]
+    lines = [f"{'case':16s} {'variant':44s} {'devices':>7s} {'ms':>9s} {'spread':>8s}  notes"]
     for r in rows:
         notes = ", ".join(
             _note(k, v)
@@ -468,7 +468,7 @@ def format_table(rows) -> str:
         )
         ms = "-" if r["ms"] is None else f"{r['ms']:9.3f}"
         spread = "-" if r["spread_ms"] is None else f"{r['spread_ms']:8.3f}"
-        lines.append(f"{r['case']:16s} {r['variant']:38s} {r.get('devices', '-')!s:>7s} {ms:>9s} {spread:>8s}  {notes}")
+        lines.append(f"{r['case']:16s} {r['variant']:44s} {r.get('devices', '-')!s:>7s} {ms:>9s} {spread:>8s}  {notes}")
     return "\n".join(lines)
 
 
