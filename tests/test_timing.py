@@ -150,6 +150,11 @@ def test_ratio_range_is_open_when_the_spread_reaches_zero():
     assert timing.ratio(timing.Timing(1.0, 0.0), timing.Timing(1.0, 2.0))[2] == float("inf")
 
 
+def test_ratio_range_never_goes_below_zero():
+    # A spread wider than twice the median (one very slow round) must not give a negative time.
+    assert timing.ratio(timing.Timing(1.0, 3.0), timing.Timing(2.0, 0.0)) == (0.5, 0.0, 1.25)
+
+
 @pytest.mark.parametrize(
     "variant, baseline, expected",
     [

@@ -104,13 +104,14 @@ def ratio(slow: Timing, fast: Timing) -> tuple[float, float, float]:
     """(ratio, low, high): `slow.median / fast.median`, and the range the spreads allow.
 
     Each time is taken as anywhere within half its interquartile spread of its median
-    (the middle half of its repeats); the range runs from the least favourable pairing of
-    those bounds to the most favourable. A speedup of B over A is `ratio(A, B)`; the
+    (the middle half of its repeats), and never below zero; the range runs from the least
+    favourable pairing of those bounds to the most favourable (up to infinity when the
+    faster time's lower bound reaches zero). A speedup of B over A is `ratio(A, B)`; the
     weak-scaling efficiency of N devices is `ratio(one_device, n_devices)`.
     """
     low_den = fast.median + fast.spread / 2
     high_den = fast.median - fast.spread / 2
-    low = (slow.median - slow.spread / 2) / low_den
+    low = max(slow.median - slow.spread / 2, 0.0) / low_den
     high = (slow.median + slow.spread / 2) / high_den if high_den > 0 else math.inf
     return slow.median / fast.median, low, high
 
