@@ -84,7 +84,7 @@ def _time_steps(strategy, index: int, args) -> dict:
     import tensorflow as tf
 
     from . import models, timing
-    from .bench import synthetic_batch
+    from .bench_rows import synthetic_batch
     from .strategy import mirrored_train_step
 
     variants = {}
