@@ -96,3 +96,81 @@ def test_busy_python_uses_more_cpu_per_wall_second_than_sleeping():
             pass
 
     assert timing.cores_used(spin, repeats=20) > timing.cores_used(time.sleep, 0.005, repeats=20)
+
+
+# --- interleaved rounds, ratios and verdicts ----------------------------------------------
+
+
+def test_interleaved_calls_the_variants_in_turns_after_their_warmups(monkeypatch):
+    clocks = FakeClocks(monkeypatch)
+    calls = []
+
+    def variant(name, seconds):
+        def fn():
+            calls.append(name)
+            clocks.wall += seconds
+            return name
+
+        return fn
+
+    result = timing.interleaved({"a": variant("a", 2), "b": variant("b", 5)}, rounds=3, warmup=1)
+    assert calls == ["a", "b"] * 4  # one warm-up round, then 3 timed rounds, never a then a
+    assert result == {"a": (2, 0.0), "b": (5, 0.0)}
+    assert result["a"].median == 2 and result["b"].spread == 0.0
+
+
+def test_interleaved_takes_each_variants_median_and_spread_over_its_own_rounds(monkeypatch):
+    clocks = FakeClocks(monkeypatch)
+    a = clocks.calls([100, 3, 1, 4, 1, 5])  # warm-up, then 5 rounds
+    b = clocks.calls([100, 10, 10, 10, 10, 10])
+    result = timing.interleaved({"a": a, "b": b}, rounds=5, warmup=1)
+    assert result == {"a": (3, 3.5), "b": (10, 0.0)}  # as measure() on the same times
+
+
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda: timing.interleaved({}), "at least one variant"),
+        (lambda: timing.interleaved({"a": lambda: None}, rounds=0), "rounds must be a whole number >= 1"),
+        (lambda: timing.interleaved({"a": lambda: None}, warmup=-1), "warmup must be a whole number >= 0"),
+    ],
+)
+def test_interleaved_refuses_bad_input(call, message):
+    with pytest.raises(ValueError, match=message):
+        call()
+
+
+def test_ratio_range_pairs_the_half_spreads_least_and_most_favourably():
+    slow, fast = timing.Timing(10.0, 2.0), timing.Timing(4.0, 2.0)
+    # 10 +- 1 over 4 +- 1: from 9/5 to 11/3
+    assert timing.ratio(slow, fast) == pytest.approx((2.5, 1.8, 11 / 3))
+
+
+def test_ratio_range_is_open_when_the_spread_reaches_zero():
+    assert timing.ratio(timing.Timing(1.0, 0.0), timing.Timing(1.0, 2.0))[2] == float("inf")
+
+
+def test_ratio_range_never_goes_below_zero():
+    # A spread wider than twice the median (one very slow round) must not give a negative time.
+    assert timing.ratio(timing.Timing(1.0, 3.0), timing.Timing(2.0, 0.0)) == (0.5, 0.0, 1.25)
+
+
+@pytest.mark.parametrize(
+    "variant, baseline, expected",
+    [
+        ((4.0, 1.0), (10.0, 1.0), "faster"),  # ratio 2.5, range 9.5/4.5 .. 10.5/3.5: above 1
+        ((10.0, 1.0), (4.0, 1.0), "slower"),
+        ((9.0, 1.0), (10.0, 1.0), "no significant difference"),  # ratio 1.11, range 9.5/9.5 = 1 .. 10.5/8.5: touches 1
+        ((9.0, 0.2), (10.0, 0.2), "faster"),  # the same medians with less noise: 1.09 .. 1.13
+        ((5.0, 0.0), (5.0, 0.0), "no significant difference"),
+    ],
+)
+def test_verdict_needs_the_whole_range_on_one_side_of_one(variant, baseline, expected):
+    assert timing.verdict(timing.Timing(*variant), timing.Timing(*baseline)) == expected
+
+
+def test_busy_warning_only_above_the_core_count_and_says_what_it_does_to_the_figures():
+    assert timing.busy_warning(2.0, 2) is None
+    message = timing.busy_warning(3.5, 2)
+    assert "load average 3.5 on 2 cores" in message
+    assert "ratios become noisy and speedups shrink" in message
