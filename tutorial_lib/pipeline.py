@@ -30,14 +30,17 @@ one.
 from __future__ import annotations
 
 import itertools
+import re
 
 import numpy as np
 import tensorflow as tf
+from tensorflow.python.ops import data_flow_ops  # PRIVATE API: StagingArea (see StagedInput)
 
 from . import checks, models
 from .devices import normalize
 
 SCHEDULES = ("sequential", "gpipe", "1f1b")
+_ids = itertools.count()
 
 
 def bubble_fraction(stages: int, micro_batches: int) -> float:
@@ -257,16 +260,17 @@ class Pipeline:
                 what = f"the output of stage {s - 1}" if s else "the micro-batch"
                 hint = _dtype_hint(stage, h)
                 raise ValueError(
-                    f"stage {s} cannot take {what} (shape {h.shape}, {h.dtype.name}): "
-                    f"{str(err).splitlines()[0]}{hint}"
+                    f"stage {s} cannot take {what} (shape {h.shape}, {h.dtype.name}): {str(err).splitlines()[0]}{hint}"
                 ) from None
         check_mean_reduced(self.loss_fn, h, labels)
 
 
 def _sample(shape, dtype, rows):
     rng = np.random.default_rng(0)
-    return tf.constant(rng.normal(size=(rows, *shape[1:])), dtype) if dtype.is_floating else tf.zeros(
-        [rows, *shape[1:]], dtype
+    return (
+        tf.constant(rng.normal(size=(rows, *shape[1:])), dtype)
+        if dtype.is_floating
+        else tf.zeros([rows, *shape[1:]], dtype)
     )
 
 
@@ -306,6 +310,116 @@ def check_mean_reduced(loss_fn, logits, labels) -> None:
             "loss_fn sums over the examples (twice the micro-batch gives twice the loss); the pipeline "
             "averages the M micro-batch losses, so return the mean over the micro-batch (tf.reduce_mean)."
         )
+
+
+class StagedInput:
+    """Feed a `Pipeline` as `tf_cnn_benchmarks` fed its towers: through a `StagingArea`.
+
+    `run(batches)` puts the first batch into a StagingArea on the first stage's device (the
+    warm-up put); then each step's call gets this step's batch from the area, runs the
+    pipelined step on it, and puts the NEXT batch, so that its copy to the device overlaps
+    this step's work; the last call only gets (the drain). The area holds at most one batch.
+
+    `StagingArea` is a PRIVATE TensorFlow API (`tensorflow.python.ops.data_flow_ops`); its
+    public route is `tf.data`: `dataset.apply(tf.data.experimental.prefetch_to_device(device))`.
+    A `get` from an empty area waits forever and cannot be cancelled (stage_op.cc), so the
+    area is only used inside `run`, which puts before it gets and clears the area when a step
+    fails or is interrupted.
+    """
+
+    def __init__(self, pipeline: Pipeline):
+        self.pipeline = pipeline
+        self.device = pipeline.devices[0]
+        self.shared_name = f"staged_input_{next(_ids)}"  # one buffer, seen by every traced graph
+        self._spec = None
+        self._put = tf.function(self._put_graph, autograph=False)
+        self._step = tf.function(self._step_graph, autograph=False)
+        self._drain = tf.function(lambda: self._step_graph(None, None), autograph=False)
+        self._size = tf.function(lambda: self._area().size(), autograph=False)
+        self._clear = tf.function(self._clear_graph, autograph=False)
+
+    def _area(self):
+        # Each traced graph needs its own StagingArea object: the shared name makes them one.
+        (x_shape, x_dtype), (y_shape, y_dtype) = self._spec
+        with tf.device(self.device):
+            return data_flow_ops.StagingArea(
+                [x_dtype, y_dtype], shapes=[x_shape, y_shape], capacity=1, shared_name=self.shared_name
+            )
+
+    def _put_graph(self, x, y):
+        self._area().put([x, y])
+
+    def _clear_graph(self):
+        self._area().clear()
+
+    def _step_graph(self, x_next, y_next):
+        area = self._area()
+        with tf.device(self.device):
+            x, y = area.get()
+        loss = self.pipeline._step(x, y, apply=True)[0]
+        if x_next is not None:  # created last: nothing in the step waits for the next batch
+            area.put([x_next, y_next])
+        return loss
+
+    def size(self) -> int:
+        """Batches in the area now (0 between runs)."""
+        with tf.device(self.device):
+            return int(self._size()) if self._spec else 0
+
+    def run(self, batches) -> list:
+        """Train on every (x, y) of `batches` in turn; returns the losses of the steps."""
+        if tf.inside_function():
+            raise RuntimeError(
+                "StagedInput.run puts and gets in Python-driven order and cannot be traced into a "
+                "tf.function; call it eagerly, or use Pipeline.train_step inside your tf.function."
+            )
+        losses, batches = [], iter(batches)
+        first = next(batches, None)
+        if first is None:
+            return losses
+        try:
+            self._put(*self._checked(*first))  # warm-up: the first batch goes to the device
+            for x, y in batches:
+                losses.append(self._step(*self._checked(x, y)))
+            losses.append(self._drain())
+        except BaseException:
+            with tf.device(self.device):  # a later run must not get a stale batch
+                self._clear()
+            raise
+        return losses
+
+    def _checked(self, x, y):
+        x, y = self.pipeline._checked_batch(x, y)
+        spec = ((x.shape, x.dtype), (y.shape, y.dtype))
+        if self._spec is None:
+            self._spec = spec
+        elif spec != self._spec:
+            raise ValueError(f"every batch must have the shapes and dtypes of the first, {self._spec}; got {spec}.")
+        return x, y
+
+
+def stash_from_trace(events, stages: int) -> list[int]:
+    """The most micro-batches each stage kept at once in a traced step, read from the run.
+
+    Micro-batch m is in flight on stage s from the start of its forward's first op to the
+    end of its backward's last op (the op names carry `stage{s}/F{m}` and `B{m}`).
+    """
+    spans = {}
+    for e in events:
+        found = _OP_NAME.match(e.op)
+        if found:
+            backward = bool(found["tape"]) or found["op"] == "B"
+            key = (int(found["stage"]), int(found["m"]))
+            start, end = spans.get(key, (np.inf, -np.inf))
+            spans[key] = (min(start, e.start) if not backward else start, max(end, e.end) if backward else end)
+    peaks = []
+    for s in range(stages):
+        edges = sorted((t, d) for (stage, _), (a, b) in spans.items() if stage == s for t, d in ((a, 1), (b, -1)))
+        peaks.append(max(itertools.accumulate(d for _, d in edges), default=0))
+    return peaks
+
+
+_OP_NAME = re.compile(r"(?P<tape>gradient_tape/)?stage(?P<stage>\d+)/(?P<op>[FB])(?P<m>\d+)/")
 
 
 def sequential_gradients(stages, devices, x, y, loss_fn=models.cross_entropy):
