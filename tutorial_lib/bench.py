@@ -215,14 +215,22 @@ def input_pipeline(devs, batch=256, steps=20, read_ms=2.0, repeats=5):
     return rows
 
 
-def pipeline_vs_naive(devs, width=512, batch=2048, micro_batches=8, repeats=5):
-    """Notebook 05's balanced 2-stage model: naive split against the 1F1B and GPipe pipelines."""
+def pipeline_vs_naive(devs, width=512, batch=2048, micro_batches=8, repeats=5, rounds=3):
+    """A balanced 2-stage MLP: the naive split against the one-graph GPipe and 1F1B steps.
+
+    Variants are interleaved in `rounds` (each round measures every variant once) so that a
+    busy machine slows them alike. The bubble is read from the times: with S stages busy all
+    the time a step would take t_naive / S, so the idle share is 1 - t_naive / (S t).
+    GPipe is also measured at M = 1, 2, 4 to compare that share with (S-1)/(M+S-1).
+    """
+    import statistics
+
     import numpy as np
     import tensorflow as tf
 
     from . import models, pipeline
 
-    pair = devs[:2]
+    pair, S = devs[:2], 2
     stages = []
     for s, d in enumerate(pair):
         with tf.device(d):
@@ -241,19 +249,30 @@ def pipeline_vs_naive(devs, width=512, batch=2048, micro_batches=8, repeats=5):
                 v.assign_sub(0.0 * g)
         return loss
 
-    rows = [_row("pipeline", "naive split", *measure(naive, x, y, repeats=repeats), devices=2)]
-    for kind in ("sequential", "gpipe", "1f1b"):
-        pipe = pipeline.Pipeline(stages, pair, micro_batches, learning_rate=0.0, schedule_kind=kind)
-        rows.append(
-            _row(
-                "pipeline",
-                f"staged {kind}, M={micro_batches}",
-                *measure(pipe.train_step, x, y, repeats=repeats),
-                devices=2,
-            )
-        )
+    variants = {"naive split": (naive, None, None)}
+    for kind in ("gpipe", "1f1b"):
+        pipe = pipeline.Pipeline(stages, pair, micro_batches, learning_rate=0.0, schedule=kind)
+        variants[f"{kind}, M={micro_batches}"] = (pipe.train_step, kind, micro_batches)
+    for m in (1, 2, 4):
+        if m < micro_batches and batch % m == 0:
+            pipe = pipeline.Pipeline(stages, pair, m, learning_rate=0.0, schedule="gpipe")
+            variants[f"gpipe, M={m}"] = (pipe.train_step, "gpipe", m)
+    times = {name: [] for name in variants}
+    for _ in range(rounds):
+        for name, (step, _, _) in variants.items():
+            times[name].append(measure(step, x, y, repeats=repeats)[0])
+    rows = []
+    for name, (_, kind, m) in variants.items():
+        t = statistics.median(times[name])
+        spread = max(times[name]) - min(times[name])
+        extra = {"schedule": kind, "micro_batches": m} if kind else {}
+        rows.append(_row("pipeline", name, t, spread, devices=S, **extra))
+    naive_ms = rows[0]["ms"]
     for row in rows:
-        row["speedup_vs_naive"] = rows[0]["ms"] / row["ms"]
+        row["speedup_vs_naive"] = naive_ms / row["ms"]
+        if row.get("micro_batches"):
+            row["bubble_measured"] = 1 - naive_ms / (S * row["ms"])
+            row["bubble_theory"] = pipeline.bubble_fraction(S, row["micro_batches"])
     return rows
 
 
