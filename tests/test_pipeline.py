@@ -320,7 +320,7 @@ def test_bench_rows_compare_with_the_naive_split(devs):
     rows = bench.pipeline_vs_naive(devs[:2], width=16, batch=32, micro_batches=4, repeats=1, rounds=1, steps=2)
     by_name = {r["variant"]: r for r in rows}
     assert list(by_name)[:3] == ["naive split", "gpipe, M=4", "1f1b, M=4"]
-    assert {"gpipe, M=1", "gpipe, M=2", "gpipe, M=4, 2 steps, StagedInput"} <= set(by_name)
+    assert {"gpipe, M=1", "gpipe, M=2", "gpipe, M=4, recompute", "gpipe, M=4, 2 steps, StagedInput"} <= set(by_name)
     assert all(r["case"] == "pipeline" and r["speedup_vs_naive"] > 0 for r in rows)
     assert by_name["naive split"]["speedup_vs_naive"] == 1
     assert by_name["gpipe, M=2"]["bubble_theory"] == pytest.approx(1 / 3)

@@ -221,8 +221,9 @@ def pipeline_vs_naive(devs, width=512, batch=2048, micro_batches=8, repeats=5, r
     Variants are interleaved in `rounds` (each round measures every variant once) so that a
     busy machine slows them alike. The bubble is read from the times: with S stages busy all
     the time a step would take t_naive / S, so the idle share is 1 - t_naive / (S t).
-    GPipe is also measured at M = 1, 2, 4 to compare that share with (S-1)/(M+S-1), and over
-    `steps` batches fed from this process with and without `StagedInput`.
+    GPipe is also measured at M = 1, 2, 4 to compare that share with (S-1)/(M+S-1), with
+    recomputation (the time it costs), and over `steps` batches fed from this process with
+    and without `StagedInput`.
     """
     import tensorflow as tf
 
@@ -236,6 +237,9 @@ def pipeline_vs_naive(devs, width=512, batch=2048, micro_batches=8, repeats=5, r
         if m <= micro_batches and batch % m == 0 and f"{kind}, M={m}" not in variants:
             pipe = pipeline.Pipeline(stages, pair, m, learning_rate=0.0, schedule=kind)
             variants[f"{kind}, M={m}"] = (pipe.train_step, {"schedule": kind, "micro_batches": m})
+    recompute = pipeline.Pipeline(stages, pair, micro_batches, learning_rate=0.0, schedule="gpipe", recompute=True)
+    info = {"schedule": "gpipe", "micro_batches": micro_batches}
+    variants[f"gpipe, M={micro_batches}, recompute"] = (recompute.train_step, {**info, "recompute": True})
     pipe = pipeline.Pipeline(stages, pair, micro_batches, learning_rate=0.0, schedule="gpipe")
     staged = pipeline.StagedInput(pipe)
     batches = [(tf.identity(x), tf.identity(y)) for _ in range(steps)]  # in this process, not on the devices
@@ -244,7 +248,7 @@ def pipeline_vs_naive(devs, width=512, batch=2048, micro_batches=8, repeats=5, r
         f"gpipe, M={micro_batches}, {steps} steps, StagedInput": lambda *_: staged.run(batches),
     }
     for name, fn in feeds.items():
-        variants[name] = (fn, {"schedule": "gpipe", "micro_batches": micro_batches, "steps": steps})
+        variants[name] = (fn, {**info, "steps": steps})
     rows = _interleaved("pipeline", variants, (x, y), rounds, repeats, devices=S)
     naive_ms = rows[0]["ms"]
     for row in rows:  # every figure is the time of one step
