@@ -326,3 +326,54 @@ def test_bench_rows_compare_with_the_naive_split(devs):
     assert by_name["gpipe, M=2"]["bubble_theory"] == pytest.approx(1 / 3)
     for r in rows[1:]:
         assert r["bubble_measured"] == pytest.approx(1 - r["speedup_vs_naive"] / 2)  # busy share = speedup / S
+
+
+# --- dropout: the same mask in the forward and in any recomputation --------------------------
+
+
+def dropout_stages(devices=None):
+    stages = mlp_stages(devices)
+    with tf.device(devices[1]) if devices else contextlib.nullcontext():
+        stages[1] = models.Sequential([pipeline.Dropout(0.5, seed=3), stages[1], pipeline.Dropout(0.25, seed=4)])
+    return stages
+
+
+def micro_batch_reference(model, x, y, micro_batches, step, lr):
+    """SGD on one device over the same micro-batches, each drawing the pipeline's dropout masks."""
+    losses, total = [], None
+    for m, (xm, ym) in enumerate(zip(tf.split(x, micro_batches), tf.split(y, micro_batches), strict=True)):
+        with pipeline.micro_batch(tf.constant(step, tf.int64), m), tf.GradientTape() as tape:
+            loss = models.cross_entropy(model(xm), ym) / micro_batches
+        grads = tape.gradient(loss, model.trainable_variables)
+        total = grads if total is None else [t + g for t, g in zip(total, grads, strict=True)]
+        losses.append(loss)
+    reference.apply_sgd(model.trainable_variables, total, lr)
+    return float(tf.add_n(losses))
+
+
+@pytest.mark.parametrize("kind", ["gpipe", "1f1b"])
+def test_dropout_draws_the_same_mask_when_recomputed_and_on_one_device(devs, batch, kind):
+    x, y = batch
+    kept = pipeline.Pipeline(dropout_stages(devs[:3]), devs[:3], 4, learning_rate=0.5, schedule=kind)
+    redone = pipeline.Pipeline(dropout_stages(devs[:3]), devs[:3], 4, 0.5, schedule=kind, recompute=True)
+    single = models.Sequential(dropout_stages())
+    plain = models.Sequential(mlp_stages())  # no dropout: the masks must change the result
+    for step in range(2):
+        losses = [float(kept.train_step(x, y)), float(redone.train_step(x, y))]
+        ref = micro_batch_reference(single, x, y, 4, step, 0.5)
+        np.testing.assert_allclose(losses, [ref, ref], atol=1e-5)
+        assert abs(ref - float(reference.sgd_step(plain, x, y, 0.5))) > 1e-3
+    for a, b, c in zip(kept.variables, redone.variables, single.trainable_variables, strict=True):
+        np.testing.assert_allclose(a.numpy(), c.numpy(), atol=1e-5)
+        np.testing.assert_allclose(b.numpy(), c.numpy(), atol=1e-5)
+    assert int(kept.step) == 2
+
+
+def test_dropout_is_off_outside_a_micro_batch_and_checks_its_rate():
+    x = tf.ones([4, 8])
+    np.testing.assert_array_equal(pipeline.Dropout(0.5)(x), x)
+    with pipeline.micro_batch(tf.constant(0, tf.int64), 1):
+        dropped = pipeline.Dropout(0.5)(x).numpy()
+    assert set(np.unique(dropped)) <= {0.0, 2.0} and 0 < (dropped == 0).sum() < x.shape.num_elements()
+    with pytest.raises(ValueError, match="dropout rate must lie in"):
+        pipeline.Dropout(1.0)

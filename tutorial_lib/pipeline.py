@@ -29,8 +29,10 @@ one.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import re
+import threading
 
 import numpy as np
 import tensorflow as tf
@@ -141,6 +143,8 @@ class Pipeline:
         self.plan = unroll(self.orders)
         self.kind, self.learning_rate, self.loss_fn, self.recompute = schedule, learning_rate, loss_fn, recompute
         self._checked = None  # (shape, dtype) of the batches the stages were checked with
+        with tf.init_scope(), tf.device(self.devices[0]):  # the step number seeds dropout masks
+            self.step = tf.Variable(0, dtype=tf.int64, trainable=False, name="pipeline_step")
         self._train = tf.function(lambda x, y: self._step(x, y, apply=True)[0], autograph=False)
         self._gradients = tf.function(lambda x, y: self._step(x, y, apply=False), autograph=False)
 
@@ -163,12 +167,13 @@ class Pipeline:
         M, S = self.micro_batches, len(self.stages)
         with tf.device(self.devices[0]):
             inputs = dict(enumerate(tf.split(x, M)))  # micro-batch m's input to the current stage
+            step = self.step.read_value()
         with tf.device(self.devices[-1]):
             labels = tf.split(y, M)
         last_op = [[] for _ in range(S)]  # each stage's latest outputs: its next op waits for them
         kept, upstream, grads, losses = {}, {}, [[] for _ in range(S)], []
         for s, op, m in self.plan:
-            with tf.device(self.devices[s]), tf.name_scope(f"stage{s}/{op}{m}"):
+            with tf.device(self.devices[s]), tf.name_scope(f"stage{s}/{op}{m}"), micro_batch(step, m):
                 with tf.control_dependencies(last_op[s]):
                     if op == "F":
                         h = tf.identity(inputs.pop((s, m)) if s else inputs.pop(m))
@@ -227,6 +232,7 @@ class Pipeline:
                 for v, g in zip(self.variables, totals, strict=True):
                     with tf.device(v.device), tf.name_scope("update"):
                         v.assign_sub(self.learning_rate * g)
+                self.step.assign_add(1)
         return loss, totals
 
     # --- checks, made once on the first batch: clear errors instead of TensorFlow's --------
@@ -310,6 +316,45 @@ def check_mean_reduced(loss_fn, logits, labels) -> None:
             "loss_fn sums over the examples (twice the micro-batch gives twice the loss); the pipeline "
             "averages the M micro-batch losses, so return the mean over the micro-batch (tf.reduce_mean)."
         )
+
+
+# --- dropout whose mask a recomputed forward repeats ------------------------------------------
+
+_running = threading.local()  # (step, micro-batch) of the op being built, for Dropout
+
+
+@contextlib.contextmanager
+def micro_batch(step, m: int):
+    """Dropout built in this context draws the mask of (step, micro-batch m). The pipeline
+    enters it for every forward and backward; a reference loop enters it to draw the same."""
+    outer = getattr(_running, "key", None)
+    _running.key = (step, m)
+    try:
+        yield
+    finally:
+        _running.key = outer
+
+
+class Dropout(tf.Module):
+    """Inverted dropout with a stateless mask: a function of (seed, step, micro-batch) only,
+    so the forward and its recomputation in the backward drop the same units. Outside
+    `micro_batch` (inference) it passes its input through."""
+
+    trainable_variables = ()
+
+    def __init__(self, rate: float, seed: int = 0, name=None):
+        super().__init__(name=name)
+        if not 0 <= rate < 1:
+            raise ValueError(f"dropout rate must lie in [0, 1), got {rate}.")
+        self.rate, self.seed = rate, seed
+
+    def __call__(self, x):
+        key = getattr(_running, "key", None)
+        if key is None or self.rate == 0:
+            return x
+        step, m = key
+        seed = tf.stack([tf.cast(step, tf.int64), tf.constant(self.seed * 100_003 + m, tf.int64)])
+        return tf.nn.experimental.stateless_dropout(x, self.rate, seed=seed)
 
 
 class StagedInput:
