@@ -22,9 +22,13 @@ memory. A step has no state outside its call: gradients are summed inside the gr
 the update runs only after every gradient of every stage exists, so an interrupted or
 failed step leaves the weights as they were.
 
+`stash_bound(orders)` gives the most micro-batches a stage keeps, from its order;
+`stash_from_trace(events, S)` reads the same from a profiler trace of a step (op names
+carry `stage{s}/F{m}` and `B{m}`). `Dropout` draws its mask from (seed, step, micro-batch),
+so a recomputed forward drops the same units.
+
 `StagedInput` adds what `tf_cnn_benchmarks` used `StagingArea` for: each step's call puts
-the NEXT step's micro-batches on the first stage's device while the stages work on this
-one.
+the NEXT step's batch on the first stage's device while the stages work on this one.
 """
 
 from __future__ import annotations
