@@ -1,3 +1,5 @@
+import contextlib
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -11,10 +13,33 @@ def batch():
     return tf.constant(x[:64]), tf.constant(y[:64])
 
 
+def mlp_stages(devices=None, seed=1):
+    """A 3-stage MLP on the digits: cheap enough to run every schedule at every M."""
+    sizes = [(64, 32, True), (32, 32, True), (32, 10, False)]
+    stages = []
+    for s, (n_in, n_out, relu) in enumerate(sizes):
+        with tf.device(devices[s]) if devices else contextlib.nullcontext():
+            layers = [models.Flatten()] if s == 0 else []
+            stages.append(models.Sequential([*layers, models.Dense(n_in, n_out, relu=relu, seed=seed + s)]))
+    return stages
+
+
+def assert_same_step(pipe, single, x, y, lr):
+    """The pipelined step and the single-device step: same loss, same weights after, within 1e-5."""
+    loss = pipe.train_step(x, y)
+    ref = reference.sgd_step(single, x, y, lr)
+    np.testing.assert_allclose(float(loss), float(ref), atol=1e-5)
+    for v, w in zip(pipe.variables, single.trainable_variables, strict=True):
+        np.testing.assert_allclose(v.numpy(), w.numpy(), atol=1e-5)
+
+
+# --- the schedules -------------------------------------------------------------------------
+
+
 def test_bubble_fraction():
     assert pipeline.bubble_fraction(1, 8) == 0
     assert pipeline.bubble_fraction(2, 8) == pytest.approx(1 / 9)
-    assert pipeline.bubble_fraction(4, 4) == pytest.approx(3 / 7)
+    assert pipeline.bubble_fraction(np.int64(4), np.int64(4)) == pytest.approx(3 / 7)
     for bad in (0, -1, 2.0, True):
         with pytest.raises(ValueError, match="stages must be a whole number"):
             pipeline.bubble_fraction(bad, 4)
@@ -22,36 +47,35 @@ def test_bubble_fraction():
             pipeline.schedule(2, bad)
 
 
-def test_numpy_integers_are_whole_numbers():
-    assert pipeline.bubble_fraction(np.int64(2), np.int64(8)) == pytest.approx(1 / 9)
-    assert pipeline.schedule(np.int64(2), np.int32(2)) == pipeline.schedule(2, 2)
-
-
-def test_gpipe_schedule_for_two_stages():
-    f, b = frozenset, frozenset()
-    assert pipeline.schedule(2, 2, "gpipe") == [
-        (f({0}), b),
-        (f({0, 1}), b),
-        (f({1}), b),  # forwards: a wave down the stages
-        (b, f({1})),
-        (b, f({0, 1})),
-        (b, f({0})),  # backwards: a wave back up
+def test_two_stage_orders():
+    F, B = "F", "B"
+    assert pipeline.schedule(2, 3, "gpipe") == [[(F, 0), (F, 1), (F, 2), (B, 0), (B, 1), (B, 2)]] * 2
+    assert pipeline.schedule(2, 3, "1f1b") == [
+        [(F, 0), (F, 1), (B, 0), (F, 2), (B, 1), (B, 2)],  # one warm-up forward on stage 0
+        [(F, 0), (B, 0), (F, 1), (B, 1), (F, 2), (B, 2)],
     ]
+    assert pipeline.schedule(2, 2, "sequential")[0] == [(F, 0), (B, 0), (F, 1), (B, 1)]
 
 
 @pytest.mark.parametrize("kind", pipeline.SCHEDULES)
-@pytest.mark.parametrize("stages, micro_batches", [(1, 3), (2, 4), (3, 2), (4, 8)])
-def test_every_schedule_runs_each_forward_and_backward_once(kind, stages, micro_batches):
-    ticks = pipeline.schedule(stages, micro_batches, kind)
-    for s in range(stages):
-        assert sum(s in f for f, _ in ticks) == micro_batches
-        assert sum(s in b for _, b in ticks) == micro_batches
-    expected = {
-        "sequential": 2 * stages * micro_batches,
-        "gpipe": 2 * (micro_batches + stages - 1),
-        "1f1b": micro_batches + 2 * stages - 2,
-    }
-    assert len(ticks) == expected[kind]
+@pytest.mark.parametrize("stages, micro_batches", [(1, 3), (2, 1), (2, 8), (3, 2), (4, 8), (8, 3)])
+def test_each_stage_runs_each_forward_then_its_backward_once(kind, stages, micro_batches):
+    orders = pipeline.schedule(stages, micro_batches, kind)
+    assert len(orders) == stages
+    for order in orders:
+        assert sorted(order) == sorted([(op, m) for m in range(micro_batches) for op in "FB"])
+        assert all(order.index(("F", m)) < order.index(("B", m)) for m in range(micro_batches))
+    assert len(pipeline.unroll(orders)) == 2 * stages * micro_batches  # and nothing waits forever
+
+
+@pytest.mark.parametrize("stages, micro_batches", [(2, 1), (2, 8), (3, 2), (4, 4), (4, 16), (8, 3)])
+def test_stash_bound_of_each_schedule(stages, micro_batches):
+    def bound(kind):
+        return pipeline.stash_bound(pipeline.schedule(stages, micro_batches, kind))
+
+    assert bound("sequential") == [1] * stages
+    assert bound("gpipe") == [micro_batches] * stages
+    assert bound("1f1b") == [min(stages - s, micro_batches) for s in range(stages)]  # PipeDream-Flush
 
 
 def test_schedule_rejects_unknown_kind():
@@ -59,104 +83,297 @@ def test_schedule_rejects_unknown_kind():
         pipeline.schedule(2, 2, "zigzag")
 
 
-def _reference(stages, x, y):
-    """The whole model on the whole batch, not pipelined: the single-device reference."""
-    loss, grads = reference.loss_and_gradients(models.Sequential(stages), x, y)
-    return float(loss), [g.numpy() for g in grads]
+def test_orders_that_wait_on_each_other_are_refused():
+    backward_first = [[("B", 0), ("F", 0)], [("F", 0), ("B", 0)]]
+    with pytest.raises(ValueError, match="wait on each other forever"):
+        pipeline.unroll(backward_first)
 
 
-def test_sequential_gradients_equal_the_reference(devs, batch):
-    x, y = batch
-    stages = models.cnn_stages(devices=devs[:3], seed=5)
-    ref_loss, ref_grads = _reference(stages, x, y)
-    loss, grads = pipeline.sequential_gradients(stages, devs[:3], x, y)
-    np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
-    for g, r in zip(grads, ref_grads, strict=True):
-        np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-7)
+# --- the one-graph step equals the single-device step ---------------------------------------
 
 
 @pytest.mark.parametrize("kind", pipeline.SCHEDULES)
-def test_pipelined_gradients_and_step_equal_the_sequential_step(devs, batch, kind):
+@pytest.mark.parametrize("micro_batches", [1, 2, 4, 8])
+def test_every_schedule_and_m_equals_the_single_device_step(devs, batch, kind, micro_batches):
     x, y = batch
-    stages = models.cnn_stages(devices=devs[:3], seed=5)
-    ref_loss, ref_grads = _reference(stages, x, y)
-    pipe = pipeline.Pipeline(stages, devs[:3], micro_batches=4, learning_rate=0.1, schedule_kind=kind)
+    pipe = pipeline.Pipeline(mlp_stages(devs[:3]), devs[:3], micro_batches, learning_rate=0.5, schedule=kind)
+    single = models.Sequential(mlp_stages())
+    for _ in range(2):  # two steps: the second starts from the first one's update
+        assert_same_step(pipe, single, x, y, 0.5)
+
+
+@pytest.mark.parametrize("kind", ["gpipe", "1f1b"])
+def test_the_seed_cnn_with_and_without_recomputation(devs, batch, kind):
+    x, y = batch
+    for recompute in (False, True):
+        stages = models.cnn_stages(devices=devs[:3], seed=5)
+        pipe = pipeline.Pipeline(stages, devs[:3], 4, learning_rate=0.1, schedule=kind, recompute=recompute)
+        assert_same_step(pipe, models.Sequential(models.cnn_stages(seed=5)), x, y, 0.1)
+
+
+def test_gradients_equal_the_reference_without_an_update(devs, batch):
+    x, y = batch
+    stages = mlp_stages(devs[:3])
+    pipe = pipeline.Pipeline(stages, devs[:3], 4, learning_rate=0.5, schedule="1f1b")
+    before = [v.numpy() for v in pipe.variables]
     loss, grads = pipe.gradients(x, y)
-    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    ref_loss, ref_grads = reference.loss_and_gradients(models.Sequential(stages), x, y)
+    np.testing.assert_allclose(loss, ref_loss, atol=1e-6)
     for g, r in zip(grads, ref_grads, strict=True):
-        np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-6)
-    single = models.Sequential(models.cnn_stages(seed=5))  # the same weights, on one device
-    before = [v.numpy() for v in single.trainable_variables]
-    np.testing.assert_allclose(pipe.train_step(x, y), reference.sgd_step(single, x, y, 0.1), rtol=1e-5)
-    after = [v.numpy() for s in stages for v in s.trainable_variables]
-    for a, b, w in zip(after, single.trainable_variables, before, strict=True):
-        np.testing.assert_allclose(a - w, b.numpy() - w, rtol=1e-3, atol=1e-7)  # the updates themselves
-    assert all(buffer.count == 0 and buffer.size() == 0 for buffer in pipe.buffers())
+        np.testing.assert_allclose(g, r, atol=1e-6)
+    for v, b in zip(pipe.variables, before, strict=True):
+        np.testing.assert_array_equal(v.numpy(), b)
 
 
-def test_stash_profile_measures_the_memory_of_each_schedule(devs, batch):
+def test_each_op_runs_on_its_stage_device(devs, batch):
     x, y = batch
-    stages = models.cnn_stages(devices=devs[:3])
-    peaks = {}
-    for kind in pipeline.SCHEDULES:
-        pipe = pipeline.Pipeline(stages, devs[:3], micro_batches=8, learning_rate=0.0, schedule_kind=kind)
-        profile = np.array(pipe.stash_profile(x, y))
-        peaks[kind] = profile.max(axis=0).tolist()
-        assert profile[-1].tolist() == [0, 0, 0]
-    assert peaks["sequential"] == [1, 1, 1]
-    assert peaks["gpipe"] == [8, 8, 8]
-    assert peaks["1f1b"] == [4, 2, 0]  # 2(S-1-s) in flight; the last stage needs no stash
+    pipe = pipeline.Pipeline(mlp_stages(devs[:3]), devs[:3], 2, learning_rate=0.0, schedule="1f1b")
+    graph = pipe._train.get_concrete_function(x, y).graph
+    for op in graph.get_operations():
+        if op.name.startswith("stage") and op.type in ("MatMul", "AddN"):
+            s = int(op.name[len("stage")])
+            assert op.device.endswith(devs[s].split("/")[-1]), (op.name, op.device)
 
 
-def test_a_step_after_an_interrupted_one_starts_clean(devs, batch):
+@pytest.mark.parametrize("kind", pipeline.SCHEDULES)
+def test_stash_read_from_a_traced_run_keeps_the_bound(devs, batch, kind):
     x, y = batch
-    stages = models.cnn_stages(devices=devs[:3])
-    pipe = pipeline.Pipeline(stages, devs[:3], micro_batches=4, learning_rate=0.0)
-    ref_loss, _ = _reference(stages, x, y)
-    pipe.gradients(x, y)
-    pipe._stage_inputs(x, y)  # an interrupted step leaves items behind
-    pipe._run_tick(*pipe.ticks[0])
+    pipe = pipeline.Pipeline(mlp_stages(devs[:3]), devs[:3], 4, learning_rate=0.0, schedule=kind)
+    events = timeline.trace(pipe.train_step, x, y, placement_of=lambda: [pipe._train.get_concrete_function(x, y)])
+    assert {e.device for e in events} >= set(devs[:3])
+    measured = pipeline.stash_from_trace(events, 3)
+    assert measured == pipeline.stash_bound(pipe.orders)  # the control dependencies held
+
+
+# --- faults ---------------------------------------------------------------------------------
+
+
+class Guard(tf.Module):
+    """A stage that fails at run time on inputs above a limit: a step that breaks half-way."""
+
+    trainable_variables = ()
+
+    def __call__(self, h):
+        with tf.control_dependencies([tf.debugging.assert_less(tf.reduce_max(h), 10.0, message="too large")]):
+            return tf.identity(h)
+
+
+def test_a_failed_step_leaves_no_partial_update_and_the_next_step_is_right(devs, batch):
+    x, y = batch
+    stages = mlp_stages(devs[:3])
+    guarded = [stages[0], models.Sequential([Guard(), stages[1]]), stages[2]]
+    pipe = pipeline.Pipeline(guarded, devs[:3], 4, learning_rate=0.5, schedule="1f1b")
+    single = models.Sequential(mlp_stages())
+    before = [v.numpy() for v in pipe.variables]
+    bad = tf.concat([x[:-16], 1e4 * x[-16:]], 0)  # only the last micro-batch fails, on stage 1
+    with pytest.raises(tf.errors.InvalidArgumentError, match="too large"):
+        pipe.train_step(bad, y)
+    for v, b in zip(pipe.variables, before, strict=True):
+        np.testing.assert_array_equal(v.numpy(), b)  # stage 0 did not update alone
+    assert_same_step(pipe, single, x, y, 0.5)
+
+
+def test_a_sum_reduced_or_unreduced_loss_is_refused(devs, batch):
+    x, y = batch
+
+    def summed(logits, labels):
+        return tf.reduce_sum(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits))
+
+    def unreduced(logits, labels):
+        return tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits)
+
+    for loss_fn, message in ((summed, "sums over the examples"), (unreduced, "must return a scalar")):
+        pipe = pipeline.Pipeline(mlp_stages(devs[:3]), devs[:3], 4, learning_rate=0.1, loss_fn=loss_fn)
+        with pytest.raises(ValueError, match=message):
+            pipe.train_step(x, y)
+
+
+def test_a_custom_mean_loss_with_one_hot_labels_works(devs, batch):
+    x, y = batch
+
+    def one_hot_loss(logits, labels):
+        return tf.reduce_mean(tf.nn.softmax_cross_entropy_with_logits(labels=labels, logits=logits))
+
+    pipe = pipeline.Pipeline(mlp_stages(devs[:3]), devs[:3], 4, learning_rate=0.5, loss_fn=one_hot_loss)
+    single = models.Sequential(mlp_stages())
+    loss = pipe.train_step(x, tf.one_hot(y, 10))
+    np.testing.assert_allclose(loss, reference.sgd_step(single, x, y, 0.5), atol=1e-5)
+
+
+def test_labels_and_dtypes_that_do_not_fit_get_clear_errors(devs, batch):
+    x, y = batch
+    pipe = pipeline.Pipeline(mlp_stages(devs[:3]), devs[:3], 4, learning_rate=0.1)
+    with pytest.raises(ValueError, match=r"extra axis: pass tf.squeeze\(y, axis=-1\)"):
+        pipe.train_step(x, y[:, None])
+    with pytest.raises(ValueError, match="look one-hot"):
+        pipe.train_step(x, tf.one_hot(y, 10))
+    for dtype in (tf.float16, tf.float64):
+        with pytest.raises(ValueError, match=rf"stage 0 cannot take the micro-batch .*{dtype.name}.*tf.cast"):
+            pipe.train_step(tf.cast(x, dtype), y)
+
+
+def test_float16_and_float64_activations_between_stages(devs, batch):
+    x, y = batch
+
+    class Cast(tf.Module):
+        trainable_variables = ()
+
+        def __init__(self, dtype):
+            super().__init__()
+            self.dtype = dtype
+
+        def __call__(self, h):
+            return tf.cast(h, self.dtype)
+
+    stages = mlp_stages(devs[:3])
+    mixed = [
+        models.Sequential([stages[0], Cast(tf.float64)]),  # stage 0 sends float64
+        models.Sequential([Cast(tf.float32), stages[1], Cast(tf.float16)]),  # stage 1 sends float16
+        models.Sequential([Cast(tf.float32), stages[2]]),
+    ]
+    pipe = pipeline.Pipeline(mixed, devs[:3], 4, learning_rate=0.5, schedule="1f1b")
     loss, _ = pipe.gradients(x, y)
-    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    ref_loss, _ = reference.loss_and_gradients(models.Sequential(mixed), x, y)
+    np.testing.assert_allclose(loss, ref_loss, atol=1e-5)
 
 
-def test_a_get_from_an_empty_buffer_is_refused_not_blocked(devs, batch):
+def test_train_step_inside_a_users_tf_function(devs, batch):
     x, y = batch
-    pipe = pipeline.Pipeline(models.cnn_stages(devices=devs[:3]), devs[:3], micro_batches=2, learning_rate=0.0)
-    pipe.gradients(x, y)
-    with pytest.raises(pipeline.PipelineError, match="'forward0' .* is empty: a get would wait forever"):
-        pipe._run_tick(frozenset([1]), frozenset())
+    pipe = pipeline.Pipeline(mlp_stages(devs[:3]), devs[:3], 4, learning_rate=0.5, schedule="1f1b")
+    single = models.Sequential(mlp_stages())
 
+    @tf.function
+    def two_steps(x, y):
+        return pipe.train_step(x, y), pipe.train_step(x, y)
 
-def test_a_put_into_a_full_buffer_is_refused(devs):
-    buffer = pipeline.Buffer("tiny", devs[0], tf.float32, [2], capacity=1)
-    buffer.will_put()
-    with pytest.raises(pipeline.PipelineError, match="full"):
-        buffer.will_put()
+    losses = two_steps(x, y)
+    refs = [reference.sgd_step(single, x, y, 0.5) for _ in range(2)]
+    np.testing.assert_allclose(losses, refs, atol=1e-5)
 
 
 def test_bad_input(devs, batch):
     x, y = batch
-    stages = models.cnn_stages(devices=devs[:3])
+    stages = mlp_stages(devs[:3])
     with pytest.raises(ValueError, match="one device per stage, got 3 stages and 2 devices"):
         pipeline.Pipeline(stages, devs[:2], micro_batches=2, learning_rate=0.1)
-    pipe = pipeline.Pipeline(stages, devs[:3], micro_batches=5, learning_rate=0.1)
-    with pytest.raises(ValueError, match="does not split into 5 equal micro-batches"):
-        pipe.train_step(x, y)
     with pytest.raises(ValueError, match="micro_batches must be a whole number"):
         pipeline.Pipeline(stages, devs[:3], micro_batches=0, learning_rate=0.1)
-    mismatched = [stages[0], models.Sequential([models.Flatten(), models.Dense(10, 10)]), stages[2]]
-    with pytest.raises(ValueError, match="stage 1 cannot take the output of stage 0, of shape"):
+    with pytest.raises(ValueError, match="schedule must be one of"):
+        pipeline.Pipeline(stages, devs[:3], micro_batches=2, learning_rate=0.1, schedule="pipedream")
+    with pytest.raises(ValueError, match="does not split into 5 equal micro-batches"):
+        pipeline.Pipeline(stages, devs[:3], micro_batches=5, learning_rate=0.1).train_step(x, y)
+    mismatched = [stages[0], models.Sequential([models.Dense(10, 10)]), stages[2]]
+    with pytest.raises(ValueError, match="stage 1 cannot take the output of stage 0"):
         pipeline.Pipeline(mismatched, devs[:3], micro_batches=2, learning_rate=0.1).train_step(x, y)
-    built = pipeline.Pipeline(stages, devs[:3], micro_batches=2, learning_rate=0.0)
-    built.gradients(x, y)
-    with pytest.raises(ValueError, match="built for batches of shape"):
-        built.gradients(x[:32], y[:32])
 
 
-def test_a_pipeline_step_can_be_traced(devs, batch):
+# --- StagingArea: the next step's batch staged while this one runs --------------------------
+
+
+def batches_of(x, y, size):
+    return [(x[i : i + size], y[i : i + size]) for i in range(0, len(x), size)]
+
+
+def test_staged_input_trains_like_the_single_device_steps(devs, batch):
     x, y = batch
-    pipe = pipeline.Pipeline(models.cnn_stages(devices=devs[:3]), devs[:3], micro_batches=4, learning_rate=0.0)
-    events = timeline.trace(pipe.train_step, x, y, placement_of=pipe.concrete_functions)
-    assert {e.device for e in events} >= set(devs[:3])
-    assert {"forward", "backward"} <= {e.phase for e in events}
+    pipe = pipeline.Pipeline(mlp_stages(devs[:3]), devs[:3], 4, learning_rate=0.5, schedule="1f1b")
+    staged = pipeline.StagedInput(pipe)
+    single = models.Sequential(mlp_stages())
+    batches = batches_of(x, y, 16)
+    losses = staged.run(batches)
+    refs = [reference.sgd_step(single, xb, yb, 0.5) for xb, yb in batches]
+    np.testing.assert_allclose(losses, refs, atol=1e-5)
+    assert staged.size() == 0  # drained
+    assert staged.run([]) == []
+
+
+def test_a_failed_staged_step_leaves_the_area_empty_and_the_next_run_works(devs, batch):
+    x, y = batch
+    stages = mlp_stages(devs[:3])
+    guarded = [stages[0], models.Sequential([Guard(), stages[1]]), stages[2]]
+    pipe = pipeline.Pipeline(guarded, devs[:3], 4, learning_rate=0.5)
+    staged = pipeline.StagedInput(pipe)
+    single = models.Sequential(mlp_stages())
+    batches = batches_of(x, y, 16)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="too large"):
+        staged.run([batches[0], (1e4 * batches[1][0], batches[1][1]), batches[2]])  # fails at step 1
+    assert staged.size() == 0  # the batch staged for step 2 is gone: no stale get next time
+    refs = [reference.sgd_step(single, xb, yb, 0.5) for xb, yb in batches[:1]]  # step 0 ran
+    losses = staged.run(batches)
+    refs += [reference.sgd_step(single, xb, yb, 0.5) for xb, yb in batches]
+    np.testing.assert_allclose(losses, refs[1:], atol=1e-5)
+
+
+def test_staged_input_refuses_a_tf_function_and_other_shapes(devs, batch):
+    x, y = batch
+    staged = pipeline.StagedInput(pipeline.Pipeline(mlp_stages(devs[:3]), devs[:3], 4, learning_rate=0.0))
+    with pytest.raises(RuntimeError, match="cannot be traced into a tf.function"):
+        tf.function(lambda: staged.run([(x, y)]))()
+    with pytest.raises(ValueError, match="every batch must have the shapes"):
+        staged.run([(x[:16], y[:16]), (x[:32], y[:32])])
+    assert staged.size() == 0
+
+
+def test_bench_rows_compare_with_the_naive_split(devs):
+    from tutorial_lib import bench
+
+    rows = bench.pipeline_vs_naive(devs[:2], width=16, batch=32, micro_batches=4, repeats=1, rounds=1, steps=2)
+    by_name = {r["variant"]: r for r in rows}
+    assert list(by_name)[:3] == ["naive split", "gpipe, M=4", "1f1b, M=4"]
+    assert {"gpipe, M=1", "gpipe, M=2", "gpipe, M=4, recompute", "gpipe, M=4, 2 steps, StagedInput"} <= set(by_name)
+    assert all(r["case"] == "pipeline" and r["speedup_vs_naive"] > 0 for r in rows)
+    assert by_name["naive split"]["speedup_vs_naive"] == 1
+    assert by_name["gpipe, M=2"]["bubble_theory"] == pytest.approx(1 / 3)
+    for r in rows[1:]:
+        assert r["bubble_measured"] == pytest.approx(1 - r["speedup_vs_naive"] / 2)  # busy share = speedup / S
+
+
+# --- dropout: the same mask in the forward and in any recomputation --------------------------
+
+
+def dropout_stages(devices=None):
+    stages = mlp_stages(devices)
+    with tf.device(devices[1]) if devices else contextlib.nullcontext():
+        stages[1] = models.Sequential([pipeline.Dropout(0.5, seed=3), stages[1], pipeline.Dropout(0.25, seed=4)])
+    return stages
+
+
+def micro_batch_reference(model, x, y, micro_batches, step, lr):
+    """SGD on one device over the same micro-batches, each drawing the pipeline's dropout masks."""
+    losses, total = [], None
+    for m, (xm, ym) in enumerate(zip(tf.split(x, micro_batches), tf.split(y, micro_batches), strict=True)):
+        with pipeline.micro_batch(tf.constant(step, tf.int64), m), tf.GradientTape() as tape:
+            loss = models.cross_entropy(model(xm), ym) / micro_batches
+        grads = tape.gradient(loss, model.trainable_variables)
+        total = grads if total is None else [t + g for t, g in zip(total, grads, strict=True)]
+        losses.append(loss)
+    reference.apply_sgd(model.trainable_variables, total, lr)
+    return float(tf.add_n(losses))
+
+
+@pytest.mark.parametrize("kind", ["gpipe", "1f1b"])
+def test_dropout_draws_the_same_mask_when_recomputed_and_on_one_device(devs, batch, kind):
+    x, y = batch
+    kept = pipeline.Pipeline(dropout_stages(devs[:3]), devs[:3], 4, learning_rate=0.5, schedule=kind)
+    redone = pipeline.Pipeline(dropout_stages(devs[:3]), devs[:3], 4, 0.5, schedule=kind, recompute=True)
+    single = models.Sequential(dropout_stages())
+    plain = models.Sequential(mlp_stages())  # no dropout: the masks must change the result
+    for step in range(2):
+        losses = [float(kept.train_step(x, y)), float(redone.train_step(x, y))]
+        ref = micro_batch_reference(single, x, y, 4, step, 0.5)
+        np.testing.assert_allclose(losses, [ref, ref], atol=1e-5)
+        assert abs(ref - float(reference.sgd_step(plain, x, y, 0.5))) > 1e-3
+    for a, b, c in zip(kept.variables, redone.variables, single.trainable_variables, strict=True):
+        np.testing.assert_allclose(a.numpy(), c.numpy(), atol=1e-5)
+        np.testing.assert_allclose(b.numpy(), c.numpy(), atol=1e-5)
+    assert int(kept.step) == 2
+
+
+def test_dropout_is_off_outside_a_micro_batch_and_checks_its_rate():
+    x = tf.ones([4, 8])
+    np.testing.assert_array_equal(pipeline.Dropout(0.5)(x), x)
+    with pipeline.micro_batch(tf.constant(0, tf.int64), 1):
+        dropped = pipeline.Dropout(0.5)(x).numpy()
+    assert set(np.unique(dropped)) <= {0.0, 2.0} and 0 < (dropped == 0).sum() < x.shape.num_elements()
+    with pytest.raises(ValueError, match="dropout rate must lie in"):
+        pipeline.Dropout(1.0)

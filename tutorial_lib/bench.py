@@ -179,46 +179,106 @@ def input_pipeline(devs, batch=256, steps=20, read_ms=2.0, repeats=5):
     return rows
 
 
-def pipeline_vs_naive(devs, width=512, batch=2048, micro_batches=8, repeats=5):
-    """Notebook 05's balanced 2-stage model: naive split against the 1F1B and GPipe pipelines."""
-    import numpy as np
+def pipeline_vs_naive(devs, width=512, batch=2048, micro_batches=8, repeats=5, rounds=3, steps=4):
+    """A balanced 2-stage MLP: the naive split against the one-graph GPipe and 1F1B steps.
+
+    Variants are interleaved in `rounds` (each round measures every variant once) so that a
+    busy machine slows them alike. The bubble is read from the times: with S stages busy all
+    the time a step would take t_naive / S, so the idle share is 1 - t_naive / (S t).
+    GPipe is also measured at M = 1, 2, 4 to compare that share with (S-1)/(M+S-1), with
+    recomputation (the time it costs), and over `steps` batches fed from this process with
+    and without `StagedInput`.
+    """
     import tensorflow as tf
 
-    from . import models, pipeline
+    from . import pipeline
 
-    pair = devs[:2]
+    pair, S = devs[:2], 2
+    stages = _balanced_stages(pair, width)
+    x, y = _dense_batch(batch, width)
+    variants = {"naive split": (_naive_step(stages, pair), None)}
+    for kind, m in [("gpipe", micro_batches), ("1f1b", micro_batches), *(("gpipe", m) for m in (1, 2, 4))]:
+        if m <= micro_batches and batch % m == 0 and f"{kind}, M={m}" not in variants:
+            pipe = pipeline.Pipeline(stages, pair, m, learning_rate=0.0, schedule=kind)
+            variants[f"{kind}, M={m}"] = (pipe.train_step, {"schedule": kind, "micro_batches": m})
+    recompute = pipeline.Pipeline(stages, pair, micro_batches, learning_rate=0.0, schedule="gpipe", recompute=True)
+    info = {"schedule": "gpipe", "micro_batches": micro_batches}
+    variants[f"gpipe, M={micro_batches}, recompute"] = (recompute.train_step, {**info, "recompute": True})
+    pipe = pipeline.Pipeline(stages, pair, micro_batches, learning_rate=0.0, schedule="gpipe")
+    staged = pipeline.StagedInput(pipe)
+    batches = [(tf.identity(x), tf.identity(y)) for _ in range(steps)]  # in this process, not on the devices
+    feeds = {
+        f"gpipe, M={micro_batches}, {steps} steps fed from here": lambda *_: [pipe.train_step(*b) for b in batches],
+        f"gpipe, M={micro_batches}, {steps} steps, StagedInput": lambda *_: staged.run(batches),
+    }
+    for name, fn in feeds.items():
+        variants[name] = (fn, {**info, "steps": steps})
+    rows = _interleaved("pipeline", variants, (x, y), rounds, repeats, devices=S)
+    naive_ms = rows[0]["ms"]
+    for row in rows:  # every figure is the time of one step
+        row["ms"], row["spread_ms"] = row["ms"] / row.get("steps", 1), row["spread_ms"] / row.get("steps", 1)
+        row["speedup_vs_naive"] = naive_ms / row["ms"]
+        if row.get("micro_batches"):
+            row["bubble_measured"] = 1 - naive_ms / (S * row["ms"])
+            row["bubble_theory"] = pipeline.bubble_fraction(S, row["micro_batches"])
+    return rows
+
+
+def _balanced_stages(devs, width):
+    """Two stages of three width x width ReLU layers (the second adds the logits), one per device."""
+    import tensorflow as tf
+
+    from . import models
+
     stages = []
-    for s, d in enumerate(pair):
+    for s, d in enumerate(devs):
         with tf.device(d):
             layers = [models.Dense(width, width, relu=True, seed=10 * s + i) for i in range(3)]
             stages.append(models.Sequential(layers + ([models.Dense(width, 10)] if s else [])))
-    rng = np.random.default_rng(0)
+    return stages
+
+
+def _dense_batch(batch, width, seed=0):
+    import numpy as np
+    import tensorflow as tf
+
+    rng = np.random.default_rng(seed)
     x = tf.constant(rng.normal(size=(batch, width)).astype(np.float32))
-    y = tf.constant(rng.integers(0, 10, batch).astype(np.int32))
+    return x, tf.constant(rng.integers(0, 10, batch).astype(np.int32))
+
+
+def _naive_step(stages, devs):
+    """The naive split (notebook 01) as one tf.function: one device busy at a time."""
+    import tensorflow as tf
+
+    from . import pipeline
+
     variables = [v for stage in stages for v in stage.trainable_variables]
 
     @tf.function
     def naive(x, y):  # the update keeps the backward pass: unused gradients would be pruned
-        loss, grads = pipeline.sequential_gradients(stages, pair, x, y)
+        loss, grads = pipeline.sequential_gradients(stages, devs, x, y)
         for v, g in zip(variables, grads, strict=True):
             with tf.device(v.device):
                 v.assign_sub(0.0 * g)
         return loss
 
-    rows = [_row("pipeline", "naive split", *measure(naive, x, y, repeats=repeats), devices=2)]
-    for kind in ("sequential", "gpipe", "1f1b"):
-        pipe = pipeline.Pipeline(stages, pair, micro_batches, learning_rate=0.0, schedule_kind=kind)
-        rows.append(
-            _row(
-                "pipeline",
-                f"staged {kind}, M={micro_batches}",
-                *measure(pipe.train_step, x, y, repeats=repeats),
-                devices=2,
-            )
-        )
-    for row in rows:
-        row["speedup_vs_naive"] = rows[0]["ms"] / row["ms"]
-    return rows
+    return naive
+
+
+def _interleaved(case, variants, args, rounds, repeats, **extra):
+    """One row per variant: the median over `rounds` of its median time, every variant once per
+    round, so that a slow minute slows them all; the spread is the range of the round medians."""
+    import statistics
+
+    times = {name: [] for name in variants}
+    for _ in range(rounds):
+        for name, (fn, _) in variants.items():
+            times[name].append(measure(fn, *args, repeats=repeats)[0])
+    return [
+        _row(case, name, statistics.median(times[name]), max(times[name]) - min(times[name]), **extra, **(info or {}))
+        for name, (_, info) in variants.items()
+    ]
 
 
 def mixed_precision(devs, repeats=10):

@@ -1,28 +1,46 @@
-"""Pipelined model parallelism: micro-batches flow through stages on their own devices.
+"""Pipelined model parallelism in ONE `tf.function` per training step.
 
-The model is cut into S stages, stage s on devices[s]. A training step cuts the batch into
-M micro-batches and runs a *schedule* of ticks. In one tick every active stage takes one
-item from a `StagingArea` buffer that an earlier tick filled, computes, and puts its
-result into the next buffer; the stages of one tick are independent, so they run at the
-same time on their devices. Forward activations move down the stages, gradients move
-back up, each stage accumulates its own gradients on its own device, and one update per
-step applies them.
+The model is cut into S stages, stage s on devices[s]. A step cuts the batch into M
+micro-batches; each stage runs a forward ("F", m) and a backward ("B", m) for every
+micro-batch, in the order its *schedule* gives. The whole schedule is unrolled when the
+step is traced: one graph holds every forward and backward of the step, and
+`tf.control_dependencies` chains each stage's ops in its order. Nothing else is ordered,
+so stage 0 can run ("F", 1) while stage 1 runs ("F", 0): the devices work at once, and
+no Python runs between them.
 
-- GPipe: all forward ticks, then all backward ticks. Idle share (S-1)/(M+S-1); every
-  stage stashes the inputs of all M micro-batches until their backward tick.
-- 1F1B: once the pipeline is full, each stage does one forward and one backward per tick,
-  so a stage stashes only the micro-batches still in flight, whatever M is.
+- "sequential": the naive split, micro-batched; one micro-batch at a time, forward and back.
+- "gpipe": every forward, then every backward. Each stage keeps all M micro-batches'
+  activations until their backward.
+- "1f1b" (PipeDream-Flush): stage s runs S-1-s warm-up forwards, then alternates one
+  forward and one backward. Stage s keeps at most S - s micro-batches in flight, whatever
+  M is. The bubble is the same as GPipe's at the same M, (S-1)/(M+S-1): 1F1B saves memory,
+  not time.
 
-A backward tick recomputes the stage's forward pass from its stashed input (GPipe's
-re-materialization): a tape cannot outlive the `tf.function` call that recorded it.
+The forward's tape is kept until the backward (no recomputation); `recompute=True` keeps
+only each stage's input and runs the forward again in the backward, as GPipe does to save
+memory. A step has no state outside its call: gradients are summed inside the graph and
+the update runs only after every gradient of every stage exists, so an interrupted or
+failed step leaves the weights as they were.
+
+`stash_bound(orders)` gives the most micro-batches a stage keeps, from its order;
+`stash_from_trace(events, S)` reads the same from a profiler trace of a step (op names
+carry `stage{s}/F{m}` and `B{m}`). `Dropout` draws its mask from (seed, step, micro-batch),
+so a recomputed forward drops the same units.
+
+`StagedInput` adds what `tf_cnn_benchmarks` used `StagingArea` for: each step's call puts
+the NEXT step's batch on the first stage's device while the stages work on this one.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import re
+import threading
 
+import numpy as np
 import tensorflow as tf
-from tensorflow.python.ops import data_flow_ops
+from tensorflow.python.ops import data_flow_ops  # PRIVATE API: StagingArea (see StagedInput)
 
 from . import checks, models
 from .devices import normalize
@@ -31,112 +49,83 @@ SCHEDULES = ("sequential", "gpipe", "1f1b")
 _ids = itertools.count()
 
 
-class PipelineError(RuntimeError):
-    """A pipeline was used in a way that would block forever; the message says how to fix it."""
-
-
 def bubble_fraction(stages: int, micro_batches: int) -> float:
-    """Idle share of a GPipe step with balanced stages: (S-1)/(M+S-1)."""
+    """Idle share of a GPipe (or 1F1B) step with balanced stages: (S-1)/(M+S-1)."""
     S, M = checks.whole_number(stages, "stages"), checks.whole_number(micro_batches, "micro_batches")
     return (S - 1) / (M + S - 1)
 
 
-def schedule(stages: int, micro_batches: int, kind: str = "gpipe"):
-    """The ticks of one step: for each tick, (stages running a forward, stages running a backward).
+# --- the schedule: one order of ("F", m) / ("B", m) per stage -------------------------------
 
-    "sequential" is the naive split run through the same machinery: each micro-batch goes
-    forward through every stage and back before the next one starts, one stage at a time.
-    In the others, stage s runs the forward of micro-batch m at tick m + s. GPipe runs every backward
-    after every forward, the last stage first; 1F1B runs the backward of micro-batch m on
-    stage s at tick m + 2(S-1) - s, as soon as its gradient has arrived, so the last stage
-    runs the forward and the backward of a micro-batch in the same tick.
-    """
+
+def schedule(stages: int, micro_batches: int, kind: str = "gpipe") -> list[list[tuple[str, int]]]:
+    """The order in which each stage runs its forwards ("F", m) and backwards ("B", m)."""
     S, M = checks.whole_number(stages, "stages"), checks.whole_number(micro_batches, "micro_batches")
     if kind not in SCHEDULES:
         raise ValueError(f"schedule must be one of {SCHEDULES}, got {kind!r}.")
-
-    def active(t, offset):  # stages s with 0 <= t - offset(s) < M
-        return frozenset(s for s in range(S) if 0 <= t - offset(s) < M)
-
-    if kind == "sequential":  # the naive split: one micro-batch, one stage at a time
-        down = [(frozenset([s]), frozenset()) for s in range(S)]
-        up = [(frozenset(), frozenset([s])) for s in reversed(range(S))]
-        return (down + up) * M
+    if kind == "sequential":
+        return [[op for m in range(M) for op in (("F", m), ("B", m))] for _ in range(S)]
     if kind == "gpipe":
-        forward = [(active(t, lambda s: s), frozenset()) for t in range(M + S - 1)]
-        backward = [(frozenset(), active(u, lambda s: S - 1 - s)) for u in range(M + S - 1)]
-        return forward + backward
-    return [(active(t, lambda s: s), active(t, lambda s: 2 * S - 2 - s)) for t in range(M + 2 * S - 2)]
+        return [[("F", m) for m in range(M)] + [("B", m) for m in range(M)] for _ in range(S)]
+    orders = []
+    for s in range(S):  # 1F1B: warm up, then one forward and one backward, then drain
+        warmup = min(S - 1 - s, M)
+        order = [("F", m) for m in range(warmup)]
+        for m in range(M - warmup):
+            order += [("F", warmup + m), ("B", m)]
+        orders.append(order + [("B", m) for m in range(M - warmup, M)])
+    return orders
 
 
-class Buffer:
-    """A `StagingArea` on one device, plus a count of its items kept in Python.
+_schedule = schedule  # Pipeline's argument `schedule` hides the function
 
-    A `get` from an empty StagingArea waits forever and a `put` into a full one waits for
-    a `get`; the count lets the pipeline refuse both with an error before they happen.
+
+def in_flight(order) -> list[int]:
+    """Micro-batches whose activations a stage keeps after each op of its order (F adds, B frees)."""
+    return list(itertools.accumulate(1 if op == "F" else -1 for op, _ in order))
+
+
+def stash_bound(orders) -> list[int]:
+    """The most micro-batches each stage keeps at once, from its order."""
+    return [max(in_flight(order)) for order in orders]
+
+
+def unroll(orders) -> list[tuple[int, str, int]]:
+    """One global order of (stage, op, micro-batch) in which every op comes after its inputs.
+
+    ("F", m) on stage s needs stage s-1's ("F", m); ("B", m) needs its own ("F", m) and stage
+    s+1's ("B", m). Orders that wait on each other in a cycle would block forever: refused.
     """
+    S, done, plan = len(orders), set(), []
+    position = [0] * S
 
-    def __init__(self, name: str, device: str, dtype, shape, capacity: int):
-        self.name, self.device, self.capacity = name, device, capacity
-        self.dtype, self.shape = dtype, shape
-        self.shared_name = f"{name}_{next(_ids)}"  # one buffer per pipeline, across calls
-        self.count = 0
-        self._size = tf.function(lambda: self._area().size())
+    def ready(s, op, m):
+        if op == "F":
+            return s == 0 or (s - 1, "F", m) in done
+        return (s, "F", m) in done and (s == S - 1 or (s + 1, "B", m) in done)
 
-        def clear():
-            self._area().clear()
+    while len(plan) < sum(map(len, orders)):
+        progressed = False
+        for s in range(S):
+            while position[s] < len(orders[s]) and ready(s, *orders[s][position[s]]):
+                done.add((s, *orders[s][position[s]]))
+                plan.append((s, *orders[s][position[s]]))
+                position[s], progressed = position[s] + 1, True
+        if not progressed:
+            waiting = {s: orders[s][position[s]] for s in range(S) if position[s] < len(orders[s])}
+            raise ValueError(f"these stage orders wait on each other forever: next ops {waiting}.")
+    return plan
 
-        self._clear = tf.function(clear)
 
-    def _area(self):
-        # Each graph needs its own StagingArea object; the shared name makes them one buffer.
-        with tf.device(self.device):
-            return data_flow_ops.StagingArea(
-                [self.dtype], shapes=[self.shape], capacity=self.capacity, shared_name=self.shared_name
-            )
-
-    def put_op(self, value):
-        with tf.device(self.device), tf.name_scope(self.name):
-            return self._area().put([value])
-
-    def get_op(self):
-        with tf.device(self.device), tf.name_scope(self.name):
-            items = self._area().get()
-        return items[0] if isinstance(items, (list, tuple)) else items
-
-    def will_get(self) -> None:
-        if self.count == 0:
-            raise PipelineError(
-                f"buffer '{self.name}' on {self.device} is empty: a get would wait forever. "
-                "Run the ticks of the schedule in order, starting from a put."
-            )
-        self.count -= 1
-
-    def will_put(self) -> None:
-        if self.count == self.capacity:
-            raise PipelineError(
-                f"buffer '{self.name}' on {self.device} is full ({self.capacity} items): a put "
-                "would wait for a get that never comes. Give it a larger capacity."
-            )
-        self.count += 1
-
-    def size(self) -> int:
-        """Items in the StagingArea now, as TensorFlow counts them (not the Python count)."""
-        with tf.device(self.device):
-            return int(self._size())
-
-    def clear(self) -> None:
-        with tf.device(self.device):
-            self._clear()
-        self.count = 0
+# --- the step --------------------------------------------------------------------------------
 
 
 class Pipeline:
-    """Train `stages` (callables with `trainable_variables`), stage s on devices[s].
+    """Train `stages` (callables with `trainable_variables`), stage s on devices[s], with SGD.
 
-    `train_step(x, y)` runs one step of the chosen schedule over `micro_batches` equal
-    micro-batches of the batch and applies plain SGD once; it returns the batch's mean loss.
-    `gradients(x, y)` runs the same ticks without the update.
+    `loss_fn(logits, labels)` must return the MEAN loss over its micro-batch (a scalar), as
+    `models.cross_entropy` does: the step's loss is the mean of the M micro-batch losses,
+    equal to the whole batch's mean. A sum-reduced loss is refused when the step is built.
     """
 
     def __init__(
@@ -145,241 +134,346 @@ class Pipeline:
         devices,
         micro_batches: int,
         learning_rate: float,
-        schedule_kind: str = "gpipe",
+        schedule: str = "gpipe",
         loss_fn=models.cross_entropy,
+        recompute: bool = False,
     ):
+        stages, devices = list(stages), list(devices)
         if not stages or len(stages) != len(devices):
             raise ValueError(f"need one device per stage, got {len(stages)} stages and {len(devices)} devices.")
-        self.ticks = schedule(len(stages), micro_batches, schedule_kind)
-        self.stages, self.devices = list(stages), [normalize(d) for d in devices]
-        self.micro_batches, self.learning_rate, self.loss_fn = micro_batches, learning_rate, loss_fn
-        self.schedule_kind = schedule_kind
-        self._functions: dict = {}
-        self._batch_shape = None
+        self.stages, self.devices = stages, [normalize(d) for d in devices]
+        self.micro_batches = checks.whole_number(micro_batches, "micro_batches")
+        self.orders = _schedule(len(stages), micro_batches, schedule)
+        self.plan = unroll(self.orders)
+        self.kind, self.learning_rate, self.loss_fn, self.recompute = schedule, learning_rate, loss_fn, recompute
+        self._checked = None  # (shape, dtype) of the batches the stages were checked with
+        with tf.init_scope(), tf.device(self.devices[0]):  # the step number seeds dropout masks
+            self.step = tf.Variable(0, dtype=tf.int64, trainable=False, name="pipeline_step")
+        self._train = tf.function(lambda x, y: self._step(x, y, apply=True)[0], autograph=False)
+        self._gradients = tf.function(lambda x, y: self._step(x, y, apply=False), autograph=False)
 
-    # --- building, on the first batch ---------------------------------------------------
+    def train_step(self, x, y):
+        """One pipelined SGD step as one `tf.function` call; returns the batch's mean loss."""
+        x, y = self._checked_batch(x, y)
+        return self._train(x, y)
 
-    def _build(self, x, y) -> None:
-        S, M = len(self.stages), self.micro_batches
-        mb = x.shape[0] // M
-        inputs = [tf.TensorShape([mb, *x.shape[1:]])]  # input shape of each stage, found by a dry run
-        h = tf.zeros(inputs[0], x.dtype)
+    def gradients(self, x, y):
+        """(loss, gradients of every stage's variables, in order), without an update."""
+        x, y = self._checked_batch(x, y)
+        return self._gradients(x, y)
+
+    @property
+    def variables(self):
+        return [v for stage in self.stages for v in stage.trainable_variables]
+
+    def _step(self, x, y, apply: bool):
+        """The unrolled schedule: every op on its stage's device, chained in its stage's order."""
+        M, S = self.micro_batches, len(self.stages)
+        with tf.device(self.devices[0]):
+            inputs = dict(enumerate(tf.split(x, M)))  # micro-batch m's input to the current stage
+            step = self.step.read_value()
+        with tf.device(self.devices[-1]):
+            labels = tf.split(y, M)
+        last_op = [[] for _ in range(S)]  # each stage's latest outputs: its next op waits for them
+        kept, upstream, grads, losses = {}, {}, [[] for _ in range(S)], []
+        for s, op, m in self.plan:
+            with tf.device(self.devices[s]), tf.name_scope(f"stage{s}/{op}{m}"), micro_batch(step, m):
+                with tf.control_dependencies(last_op[s]):
+                    if op == "F":
+                        h = tf.identity(inputs.pop((s, m)) if s else inputs.pop(m))
+                        kept[s, m], out = self._forward(s, h, labels[m])
+                        if s == S - 1:
+                            losses.append(out)
+                        else:
+                            inputs[s + 1, m] = out
+                        last_op[s] = [out]
+                    else:
+                        g_in, g_vars = self._backward(s, kept.pop((s, m)), upstream.pop((s, m), None), labels[m])
+                        grads[s].append(g_vars)
+                        if s:
+                            upstream[s - 1, m] = g_in
+                        last_op[s] = [g_in, *g_vars]
+        return self._finish(grads, losses, apply)
+
+    def _forward(self, s, h, labels):
+        """(what the backward needs, the output): the tape, or only the input to recompute from."""
+        if self.recompute:
+            out = self.stages[s](h)
+            return h, self.loss_fn(out, labels) if s == len(self.stages) - 1 else out
+        with tf.GradientTape() as tape:
+            tape.watch(h)
+            out = self.stages[s](h)
+            if s == len(self.stages) - 1:
+                out = self.loss_fn(out, labels)
+        return (tape, h, out), out
+
+    def _backward(self, s, kept, upstream, labels):
+        """Gradients of the input (for stage s-1) and of stage s's variables, for one micro-batch."""
+        if self.recompute:
+            h = kept
+            with tf.GradientTape() as tape:  # the forward again, from the kept input
+                tape.watch(h)
+                out = self.stages[s](h)
+                if s == len(self.stages) - 1:
+                    out = self.loss_fn(out, labels)
+        else:
+            tape, h, out = kept
+        if upstream is None:  # the last stage: d(mean of M losses) / d(this loss) = 1/M
+            upstream = tf.constant(1 / self.micro_batches, out.dtype)
+        g = tape.gradient(out, [h, *self.stages[s].trainable_variables], output_gradients=upstream)
+        return g[0], g[1:]
+
+    def _finish(self, grads, losses, apply: bool):
+        """Sum each stage's gradients on its device; update only once every gradient exists."""
+        totals = []
+        for s, per_micro_batch in enumerate(grads):
+            with tf.device(self.devices[s]), tf.name_scope(f"stage{s}/sum"):
+                totals += [tf.add_n(list(g)) for g in zip(*per_micro_batch, strict=True)]
+        with tf.device(self.devices[-1]):
+            loss = tf.add_n(losses) / self.micro_batches
+        if apply:
+            with tf.control_dependencies(totals):  # all or nothing: no stage updates alone
+                for v, g in zip(self.variables, totals, strict=True):
+                    with tf.device(v.device), tf.name_scope("update"):
+                        v.assign_sub(self.learning_rate * g)
+                self.step.assign_add(1)
+        return loss, totals
+
+    # --- checks, made once on the first batch: clear errors instead of TensorFlow's --------
+
+    def _checked_batch(self, x, y):
+        x, y = tf.convert_to_tensor(x), tf.convert_to_tensor(y)
+        M = self.micro_batches
+        if x.shape.rank is None or x.shape[0] is None or x.shape[0] % M or x.shape[0] != y.shape[0]:
+            raise ValueError(
+                f"a batch of {x.shape[0]} examples (and {y.shape[0]} labels) does not split into {M} equal "
+                f"micro-batches. Use a batch size that is a multiple of {M}, or batch with drop_remainder=True."
+            )
+        key = (tuple(x.shape), x.dtype, tuple(y.shape), y.dtype)
+        if self._checked != key:
+            check_labels(self.loss_fn, y)
+            with tf.init_scope():  # eager even inside a user's tf.function
+                self._dry_run(x, y)
+            self._checked = key
+        return x, y
+
+    def _dry_run(self, x, y) -> None:
+        """One micro-batch through the stages: shapes and dtypes that fit, a mean-reduced loss."""
+        mb = x.shape[0] // self.micro_batches
+        h = x[:mb] if isinstance(x, tf.__internal__.EagerTensor) else _sample(x.shape, x.dtype, mb)
+        labels = y[:mb] if isinstance(y, tf.__internal__.EagerTensor) else tf.zeros([mb, *y.shape[1:]], y.dtype)
         for s, (stage, device) in enumerate(zip(self.stages, self.devices, strict=True)):
             try:
                 with tf.device(device):
                     h = stage(h)
-            except (tf.errors.InvalidArgumentError, ValueError) as err:
-                after = f"the output of stage {s - 1}" if s else "the micro-batch"
+            except (tf.errors.InvalidArgumentError, ValueError, TypeError) as err:
+                what = f"the output of stage {s - 1}" if s else "the micro-batch"
+                hint = _dtype_hint(stage, h)
                 raise ValueError(
-                    f"stage {s} cannot take {after}, of shape {h.shape}: {str(err).splitlines()[0]}"
+                    f"stage {s} cannot take {what} (shape {h.shape}, {h.dtype.name}): {str(err).splitlines()[0]}{hint}"
                 ) from None
-            inputs.append(h.shape)
-        self.x_buffer = Buffer("inputs", self.devices[0], x.dtype, inputs[0], M)
-        self.y_buffer = Buffer("labels", self.devices[-1], y.dtype, [mb], M)
-        self.forward = [Buffer(f"forward{s}", self.devices[s + 1], tf.float32, inputs[s + 1], 2) for s in range(S - 1)]
-        self.backward = [Buffer(f"backward{s}", self.devices[s], tf.float32, inputs[s + 1], 2) for s in range(S - 1)]
-        self.stash = [Buffer(f"stash{s}", self.devices[s], tf.float32, inputs[s], M) for s in range(S)]
-        self.label_stash = Buffer("label_stash", self.devices[-1], y.dtype, [mb], M)
-        self.accumulators = []
-        for stage, device in zip(self.stages, self.devices, strict=True):
-            with tf.device(device):
-                self.accumulators.append(
-                    [tf.Variable(tf.zeros_like(v), trainable=False) for v in stage.trainable_variables]
-                )
-        with tf.device(self.devices[-1]):
-            self.loss_sum = tf.Variable(0.0, trainable=False)
-        self._batch_shape = x.shape
+        check_mean_reduced(self.loss_fn, h, labels)
 
-    def buffers(self) -> list[Buffer]:
-        return [self.x_buffer, self.y_buffer, *self.forward, *self.backward, *self.stash, self.label_stash]
 
-    def concrete_functions(self):
-        """Every graph the pipeline runs (for `timeline.trace(..., placement_of=...)`)."""
-        return list(self._functions.values())
+def _sample(shape, dtype, rows):
+    rng = np.random.default_rng(0)
+    return (
+        tf.constant(rng.normal(size=(rows, *shape[1:])), dtype)
+        if dtype.is_floating
+        else tf.zeros([rows, *shape[1:]], dtype)
+    )
 
-    def _function(self, key, build):
-        if key not in self._functions:
-            self._functions[key] = tf.function(build).get_concrete_function()
-        return self._functions[key]
 
-    # --- the work of one tick -------------------------------------------------------------
+def _dtype_hint(stage, h) -> str:
+    dtypes = {v.dtype for v in stage.trainable_variables}
+    if len(dtypes) == 1 and h.dtype not in dtypes:
+        (want,) = dtypes
+        return f". The stage's variables are {want.name}: cast the input with tf.cast(x, tf.{want.name})."
+    return ""
 
-    def _tick_graph(self, forward, backward):
-        last = len(self.stages) - 1
-        fused = last in forward and last in backward  # 1F1B: the last stage's forward and backward at once
-        # Gets first, puts last. tf.function keeps stateful ops such as these in program
-        # order, and a put waits for its stage's compute: a get written after another
-        # stage's put would make the two stages of this tick run one after the other.
-        got = self._tick_gets(forward, backward, fused)
-        puts, accumulate = self._tick_forwards(forward, got, fused)
-        for s in sorted(backward):
-            self._tick_backward(s, got, fused, puts, accumulate)
-        for buffer, value in puts:
-            buffer.put_op(value)
-        for s, grads, loss in accumulate:
-            with tf.device(self.devices[s]), tf.name_scope(f"stage{s}/backward/accumulate"):
-                if grads is not None:  # None: the last stage's loss, before its backward
-                    for acc, g in zip(self.accumulators[s], grads, strict=True):
-                        acc.assign_add(g)
-                if loss is not None:
-                    self.loss_sum.assign_add(loss)
 
-    def _tick_gets(self, forward, backward, fused) -> dict:
-        """Every get of a tick: inputs of the forwards, stashes and gradients of the backwards."""
-        last, got = len(self.stages) - 1, {}
-        for s in sorted(forward):
-            got["in", s] = (self.x_buffer if s == 0 else self.forward[s - 1]).get_op()
-            if s == last:
-                got["labels"] = self.y_buffer.get_op()
-        for s in sorted(backward):
-            if s == last and fused:  # the forward of this very tick is the stash
-                got["stash", s], got["stash labels"], got["grad", s] = got["in", s], got["labels"], None
-                continue
-            got["grad", s] = None if s == last else self.backward[s].get_op()
-            got["stash", s] = self.stash[s].get_op()
-            if s == last:
-                got["stash labels"] = self.label_stash.get_op()
-        return got
+def check_labels(loss_fn, y) -> None:
+    """The default loss takes integer class ids of shape (B,): say how to fix anything else."""
+    if loss_fn is not models.cross_entropy:
+        return
+    if y.dtype.is_integer and y.shape.rank == 2 and y.shape[1] == 1:
+        raise ValueError(f"labels of shape {y.shape} have an extra axis: pass tf.squeeze(y, axis=-1).")
+    if y.dtype.is_floating and y.shape.rank == 2:
+        raise ValueError(
+            f"labels of shape {y.shape} and dtype {y.dtype.name} look one-hot; models.cross_entropy takes class "
+            "ids: pass tf.argmax(y, axis=-1, output_type=tf.int32), or a loss_fn for one-hot labels."
+        )
+    if not y.dtype.is_integer or y.shape.rank != 1:
+        raise ValueError(f"labels must be integer class ids of shape (batch,), got {y.shape} {y.dtype.name}.")
 
-    def _tick_forwards(self, forward, got, fused):
-        """The forwards of a tick; returns the puts they make and the losses to accumulate."""
-        last, puts, accumulate = len(self.stages) - 1, [], []
-        for s in sorted(forward):
-            if s == last and fused:
-                continue  # its backward computes the forward too
-            h = got["in", s]
-            with tf.device(self.devices[s]), tf.name_scope(f"stage{s}"):
-                out = self.stages[s](h)
-                if s == last:
-                    accumulate.append((s, None, self.loss_fn(out, got["labels"])))  # a loss, no gradients yet
-                    puts.append((self.label_stash, got["labels"]))
-                else:
-                    puts.append((self.forward[s], out))
-            puts.append((self.stash[s], h))
-        return puts, accumulate
 
-    def _tick_backward(self, s, got, fused, puts, accumulate) -> None:
-        """Stage s's backward: recompute its forward from the stash, then its gradients."""
-        last, h, loss = len(self.stages) - 1, got["stash", s], None
-        with tf.device(self.devices[s]), tf.name_scope(f"stage{s}/backward"):
-            with tf.GradientTape() as tape:  # recompute the forward pass from the stashed input
-                tape.watch(h)
-                out = self.stages[s](h)
-                if s == last:
-                    out = loss = self.loss_fn(out, got["stash labels"])
-            grads = tape.gradient(out, [h, *self.stages[s].trainable_variables], output_gradients=got["grad", s])
-        accumulate.append((s, grads[1:], loss if fused and s == last else None))
-        if s > 0:
-            puts.append((self.backward[s - 1], grads[0]))
+def check_mean_reduced(loss_fn, logits, labels) -> None:
+    """Refuse a loss that is not a scalar or that sums over the examples: a micro-batch
+    repeated twice has the same mean loss, but twice the sum."""
+    one = loss_fn(logits, labels)
+    if one.shape.rank != 0:
+        raise ValueError(f"loss_fn must return a scalar (the mean over the micro-batch), got shape {one.shape}.")
+    two = loss_fn(tf.concat([logits, logits], 0), tf.concat([labels, labels], 0))
+    one, two = float(one), float(two)
+    if abs(one) > 1e-6 and abs(two - 2 * one) <= 1e-3 * abs(one):
+        raise ValueError(
+            "loss_fn sums over the examples (twice the micro-batch gives twice the loss); the pipeline "
+            "averages the M micro-batch losses, so return the mean over the micro-batch (tf.reduce_mean)."
+        )
 
-    def _buffers_of_tick(self, forward, backward):
-        """(buffers the tick gets from, buffers it puts into), in the order of `_tick_graph`."""
-        last = len(self.stages) - 1
-        fused = last in forward and last in backward
-        gets, puts = [], []
-        for s in sorted(forward):
-            gets += [self.x_buffer if s == 0 else self.forward[s - 1]] + ([self.y_buffer] if s == last else [])
-            if not (s == last and fused):
-                puts += [self.stash[s], self.label_stash] if s == last else [self.forward[s], self.stash[s]]
-        for s in sorted(backward):
-            if not (s == last and fused):
-                gets += [self.stash[s], self.label_stash] if s == last else [self.backward[s], self.stash[s]]
-            if s > 0:
-                puts.append(self.backward[s - 1])
-        return gets, puts
 
-    def _run_tick(self, forward, backward) -> None:
-        """Check that every get finds an item and every put finds room, then run the tick."""
-        gets, puts = self._buffers_of_tick(forward, backward)
-        for buffer in gets:
-            buffer.will_get()
-        for buffer in puts:
-            buffer.will_put()
-        self._function(("tick", forward, backward), lambda: self._tick_graph(forward, backward))()
+# --- dropout whose mask a recomputed forward repeats ------------------------------------------
 
-    def _stage_inputs(self, x, y) -> None:
-        """Put the M micro-batches into the input buffers: the copies to the devices happen here."""
-        M = self.micro_batches
+_running = threading.local()  # (step, micro-batch) of the op being built, for Dropout
 
-        def put_all(x, y):
-            for xm, ym in zip(tf.split(x, M), tf.split(y, M), strict=True):
-                self.x_buffer.put_op(xm)
-                self.y_buffer.put_op(ym)
 
-        key = ("inputs", tuple(x.shape), x.dtype, y.dtype)
-        if key not in self._functions:
-            self._functions[key] = tf.function(put_all).get_concrete_function(
-                tf.TensorSpec(x.shape, x.dtype), tf.TensorSpec(y.shape, y.dtype)
+@contextlib.contextmanager
+def micro_batch(step, m: int):
+    """Dropout built in this context draws the mask of (step, micro-batch m). The pipeline
+    enters it for every forward and backward; a reference loop enters it to draw the same."""
+    outer = getattr(_running, "key", None)
+    _running.key = (step, m)
+    try:
+        yield
+    finally:
+        _running.key = outer
+
+
+class Dropout(tf.Module):
+    """Inverted dropout with a stateless mask: a function of (seed, step, micro-batch) only,
+    so the forward and its recomputation in the backward drop the same units. Outside
+    `micro_batch` (inference) it passes its input through."""
+
+    trainable_variables = ()
+
+    def __init__(self, rate: float, seed: int = 0, name=None):
+        super().__init__(name=name)
+        if not 0 <= rate < 1:
+            raise ValueError(f"dropout rate must lie in [0, 1), got {rate}.")
+        self.rate, self.seed = rate, seed
+
+    def __call__(self, x):
+        key = getattr(_running, "key", None)
+        if key is None or self.rate == 0:
+            return x
+        step, m = key
+        seed = tf.stack([tf.cast(step, tf.int64), tf.constant(self.seed * 100_003 + m, tf.int64)])
+        return tf.nn.experimental.stateless_dropout(x, self.rate, seed=seed)
+
+
+class StagedInput:
+    """Feed a `Pipeline` as `tf_cnn_benchmarks` fed its towers: through a `StagingArea`.
+
+    `run(batches)` puts the first batch into a StagingArea on the first stage's device (the
+    warm-up put); then each step's call gets this step's batch from the area, runs the
+    pipelined step on it, and puts the NEXT batch, so that its copy to the device overlaps
+    this step's work; the last call only gets (the drain). The area holds at most one batch.
+
+    `StagingArea` is a PRIVATE TensorFlow API (`tensorflow.python.ops.data_flow_ops`); its
+    public route is `tf.data`: `dataset.apply(tf.data.experimental.prefetch_to_device(device))`.
+    A `get` from an empty area waits forever and cannot be cancelled (stage_op.cc), so the
+    area is only used inside `run`, which puts before it gets and clears the area when a step
+    fails or is interrupted.
+    """
+
+    def __init__(self, pipeline: Pipeline):
+        self.pipeline = pipeline
+        self.device = pipeline.devices[0]
+        self.shared_name = f"staged_input_{next(_ids)}"  # one buffer, seen by every traced graph
+        self._spec = None
+        self._put = tf.function(self._put_graph, autograph=False)
+        self._step = tf.function(self._step_graph, autograph=False)
+        self._drain = tf.function(lambda: self._step_graph(None, None), autograph=False)
+        self._size = tf.function(lambda: self._area().size(), autograph=False)
+        self._clear = tf.function(self._clear_graph, autograph=False)
+
+    def _area(self):
+        # Each traced graph needs its own StagingArea object: the shared name makes them one.
+        (x_shape, x_dtype), (y_shape, y_dtype) = self._spec
+        with tf.device(self.device):
+            return data_flow_ops.StagingArea(
+                [x_dtype, y_dtype], shapes=[x_shape, y_shape], capacity=1, shared_name=self.shared_name
             )
-        for _ in range(M):
-            self.x_buffer.will_put()
-            self.y_buffer.will_put()
-        self._functions[key](x, y)
 
-    # --- a step -----------------------------------------------------------------------------
+    def _put_graph(self, x, y):
+        self._area().put([x, y])
 
-    def _run_schedule(self, x, y, after_tick=None) -> None:
-        x, y = tf.convert_to_tensor(x), tf.convert_to_tensor(y)
-        if x.shape[0] is None or x.shape[0] % self.micro_batches or x.shape[0] != y.shape[0]:
-            raise ValueError(
-                f"a batch of {x.shape[0]} examples (and {y.shape[0]} labels) does not split into "
-                f"{self.micro_batches} equal micro-batches. Use a batch size that is a multiple of "
-                f"{self.micro_batches}, or batch with drop_remainder=True."
+    def _clear_graph(self):
+        self._area().clear()
+
+    def _step_graph(self, x_next, y_next):
+        area = self._area()
+        with tf.device(self.device):
+            x, y = area.get()
+        loss = self.pipeline._step(x, y, apply=True)[0]
+        if x_next is not None:  # created last: nothing in the step waits for the next batch
+            area.put([x_next, y_next])
+        return loss
+
+    def size(self) -> int:
+        """Batches in the area now (0 between runs)."""
+        with tf.device(self.device):
+            return int(self._size()) if self._spec else 0
+
+    def run(self, batches) -> list:
+        """Train on every (x, y) of `batches` in turn; returns the losses of the steps."""
+        if tf.inside_function():
+            raise RuntimeError(
+                "StagedInput.run puts and gets in Python-driven order and cannot be traced into a "
+                "tf.function; call it eagerly, or use Pipeline.train_step inside your tf.function."
             )
-        if self._batch_shape is None:
-            self._build(x, y)
-        elif x.shape != self._batch_shape:
-            raise ValueError(f"this pipeline was built for batches of shape {self._batch_shape}, got {x.shape}.")
-        if any(b.count for b in self.buffers()):  # an earlier step was interrupted: start clean
-            for b in self.buffers():
-                b.clear()
-        self._stage_inputs(x, y)
-        for forward, backward in self.ticks:
-            self._run_tick(forward, backward)
-            if after_tick is not None:
-                after_tick()
+        losses, batches = [], iter(batches)
+        first = next(batches, None)
+        if first is None:
+            return losses
+        try:
+            self._put(*self._checked(*first))  # warm-up: the first batch goes to the device
+            for x, y in batches:
+                losses.append(self._step(*self._checked(x, y)))
+            losses.append(self._drain())
+        except BaseException:
+            with tf.device(self.device):  # a later run must not get a stale batch
+                self._clear()
+            raise
+        return losses
 
-    def _finish(self, apply: bool):
-        M, lr = self.micro_batches, self.learning_rate
+    def _checked(self, x, y):
+        x, y = self.pipeline._checked_batch(x, y)
+        spec = ((x.shape, x.dtype), (y.shape, y.dtype))
+        if self._spec is None:
+            self._spec = spec
+        elif spec != self._spec:
+            raise ValueError(f"every batch must have the shapes and dtypes of the first, {self._spec}; got {spec}.")
+        return x, y
 
-        def finish():
-            grads = []
-            for stage, accs, device in zip(self.stages, self.accumulators, self.devices, strict=True):
-                with tf.device(device), tf.name_scope("update"):
-                    for v, acc in zip(stage.trainable_variables, accs, strict=True):
-                        g = acc / M
-                        if apply:
-                            v.assign_sub(lr * g)
-                        grads.append(g)
-                        acc.assign(tf.zeros_like(acc))
-            with tf.device(self.devices[-1]):
-                loss = self.loss_sum / M
-                self.loss_sum.assign(0.0)
-            return loss, grads
 
-        return self._function(("finish", apply), finish)()
+def stash_from_trace(events, stages: int) -> list[int]:
+    """The most micro-batches each stage kept at once in a traced step, read from the run.
 
-    def train_step(self, x, y):
-        """One pipelined step: the schedule's ticks, then one SGD update per stage. Returns the loss."""
-        self._run_schedule(x, y)
-        return self._finish(apply=True)[0]
+    Micro-batch m is in flight on stage s from the start of its forward's first op to the
+    end of its backward's last op (the op names carry `stage{s}/F{m}` and `B{m}`).
+    """
+    spans = {}
+    for e in events:
+        found = _OP_NAME.match(e.op)
+        if found:
+            backward = bool(found["tape"]) or found["op"] == "B"
+            key = (int(found["stage"]), int(found["m"]))
+            start, end = spans.get(key, (np.inf, -np.inf))
+            spans[key] = (min(start, e.start) if not backward else start, max(end, e.end) if backward else end)
+    peaks = []
+    for s in range(stages):
+        edges = sorted((t, d) for (stage, _), (a, b) in spans.items() if stage == s for t, d in ((a, 1), (b, -1)))
+        peaks.append(max(itertools.accumulate(d for _, d in edges), default=0))
+    return peaks
 
-    def gradients(self, x, y):
-        """The loss and the gradients of the whole batch (stage by stage), without updating."""
-        self._run_schedule(x, y)
-        return self._finish(apply=False)
 
-    def stash_profile(self, x, y) -> list[list[int]]:
-        """Items in each stage's stash after every tick, read from the StagingAreas themselves."""
-        sizes = []
-        self._run_schedule(x, y, after_tick=lambda: sizes.append([b.size() for b in self.stash]))
-        self._finish(apply=False)
-        return sizes
+_OP_NAME = re.compile(r"(?P<tape>gradient_tape/)?stage(?P<stage>\d+)/(?P<op>[FB])(?P<m>\d+)/")
 
 
 def sequential_gradients(stages, devices, x, y, loss_fn=models.cross_entropy):
-    """Reference: the whole batch through the stages one after another, each stage's
-    gradients computed on its own device (notebook 01). Returns (loss, gradients)."""
+    """The naive split: the whole batch through the stages one after another, each
+    stage's gradients computed on its own device (notebook 01). Returns (loss, gradients)."""
     tapes, inputs, outputs = [], [], []
     h = x
     for s, (stage, device) in enumerate(zip(stages, devices, strict=True)):
