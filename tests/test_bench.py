@@ -289,3 +289,22 @@ def test_cli_on_core_devices_by_default(tmp_path):
     assert packed["speedup_verdict"] in VERDICTS
     fits = [r for r in rows if r["case"] == "all-reduce fit"]
     assert [r["variant"] for r in fits] == ["central (central model)", "ring (ring model)"]
+
+
+def test_the_ring_step_ends_with_the_single_device_reference(devs):
+    import numpy as np
+
+    from tutorial_lib import bench_scaling, models, reference
+
+    x, y = bench.synthetic_batch(16)
+    replicas = []
+    for d in devs[:2]:
+        with tf.device(d):
+            replicas.append(models.MLP(hidden=(8,)))
+    single = models.MLP(hidden=(8,))
+    losses = bench_scaling.ring_step(replicas, devs[:2])(x, y)
+    expected = reference.sgd_step(single, x, y, 0.01)
+    np.testing.assert_allclose(np.mean([float(v) for v in losses]), float(expected), rtol=1e-5)
+    for replica in replicas:
+        for v, w in zip(replica.trainable_variables, single.trainable_variables, strict=True):
+            np.testing.assert_allclose(v.numpy(), w.numpy(), rtol=1e-5, atol=1e-6)

@@ -4,7 +4,8 @@ Weak scaling keeps the batch per device and adds devices, for each per-device ba
 sweep; its variants are the hand-built towers (`towers.make_train_step`, one copy of the
 variables), a ring all-reduce between replicas, and TensorFlow's own data parallelism:
 `MirroredStrategy` on devices of this process, `MultiWorkerMirroredStrategy` on core
-devices (`bench_worker`). Strong scaling keeps the global batch. `bench` runs them.
+devices (`bench_worker`). Strong scaling keeps the global batch. `bench` runs them;
+`ring_step` is public so that notebook 06 can check it against the single-device reference.
 """
 
 from __future__ import annotations
@@ -63,13 +64,16 @@ def _weak_variants(devs, hidden, x, y) -> dict:
     for d in devs:
         with tf.device(d):
             replicas.append(models.MLP(hidden=hidden))
-    variants = {"hand towers": towers.make_train_step(net, devs, 0.01), "ring, replicated": _ring_step(replicas, devs)}
+    variants = {"hand towers": towers.make_train_step(net, devs, 0.01), "ring, replicated": ring_step(replicas, devs)}
     if device_model() != "cores":  # MirroredStrategy refuses devices of other processes
         variants["MirroredStrategy"] = _mirrored_step(devs, hidden, x, y)
     return variants
 
 
-def _ring_step(replicas, devs):
+def ring_step(replicas, devs):
+    """A replicated SGD step: replica k trains on device k's share of the batch, and the gradients
+    are averaged by ring all-reduce so that every replica applies the same update; returns each
+    device's loss (their mean is the loss of the whole batch)."""
     import tensorflow as tf
 
     from . import allreduce, models, towers
