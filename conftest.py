@@ -11,6 +11,14 @@ os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
 os.environ["PYTHONHASHSEED"] = "0"
 
 
+def pytest_sessionfinish():
+    # nbval ends each notebook's kernel without running its exit handlers: sweep the worker
+    # logs that such kernels leave (a later Cluster would, but a test run leaves nothing).
+    from tutorial_lib import cluster
+
+    cluster.sweep_logs()
+
+
 def pytest_collection_modifyitems(items):
     # TensorFlow's C++ logs reach a notebook's stderr; they are never compared.
     for item in items:

@@ -161,6 +161,18 @@ def test_a_new_cluster_removes_the_logs_of_a_killed_driver(tmp_path, monkeypatch
     gc.collect()
 
 
+def test_sweep_logs_removes_only_the_folders_of_dead_processes(tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    cluster.sweep_logs()  # no root yet: nothing to do, no error
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale, mine, other = (cluster.log_root() / name for name in (f"{dead.pid}_x", f"{os.getpid()}_x", "notes"))
+    for folder in (stale, mine, other):
+        folder.mkdir(parents=True)
+    cluster.sweep_logs()
+    assert not stale.exists() and mine.exists() and other.exists()
+
+
 DRIVER = """
 import sys, time
 from tutorial_lib import cluster

@@ -105,14 +105,20 @@ def _owner_alive(folder: Path) -> bool:
     return True
 
 
+def sweep_logs() -> None:
+    """Remove the log folders under `log_root()` whose process has died (a killed kernel)."""
+    root = log_root()
+    if root.is_dir():
+        for folder in root.iterdir():
+            if not _owner_alive(folder):
+                shutil.rmtree(folder, ignore_errors=True)
+
+
 def new_log_dir() -> Path:
     """A fresh log folder under `log_root()`, after removing those whose process has died."""
-    root = log_root()
-    root.mkdir(parents=True, exist_ok=True)
-    for folder in root.iterdir():
-        if not _owner_alive(folder):
-            shutil.rmtree(folder, ignore_errors=True)
-    return Path(tempfile.mkdtemp(prefix=f"{os.getpid()}_", dir=root))
+    sweep_logs()
+    log_root().mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=f"{os.getpid()}_", dir=log_root()))
 
 
 class Cluster:
