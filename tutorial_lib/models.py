@@ -5,7 +5,9 @@ a variable lives on the device that was current when it was created, and towers 
 share one set of variables simply by calling the same module. Every initial value comes
 from a seeded NumPy generator, so a model is the same on every machine and device.
 
-- `MLP`: the seed-1 network (flatten, hidden ReLU layers, linear logits).
+- `MLP`: the course's network for seed 1 (flatten, hidden ReLU layers, linear logits). The
+  seed's own model is a single layer with a ReLU on its logits; notebook 02 says what
+  changed and why.
 - `cnn_stages`: the seed-2 CNN as three stages, to be placed on three devices. It is
   adapted to small images with 'SAME' convolutions; its dropout layers are left out so
   that parallel and sequential runs can be compared exactly.
@@ -89,7 +91,7 @@ class Sequential(tf.Module):
 
 
 class MLP(Sequential):
-    """The seed-1 network: flatten, ReLU hidden layers, linear logits (no ReLU on them)."""
+    """Flatten, ReLU hidden layers, linear logits: seed 1's single layer grown, without its ReLU on the logits."""
 
     def __init__(self, in_features: int = 64, hidden=(128,), num_classes: int = 10, seed: int = 0):
         sizes = [in_features, *hidden, num_classes]
