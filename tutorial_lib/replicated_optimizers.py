@@ -4,12 +4,14 @@ The seed's script all-reduces the gradients and then calls `apply_gradients` onc
 on ONE set of shared variables, so Adam steps K times per batch. With replicated variables
 each replica must apply the averaged gradient once, with an optimizer of its own: a Keras 3
 optimizer builds its slot variables (Adam's m and v) for the variables of its first
-`apply` and refuses any other ("Unknown variable"). Notebook 03 writes these in cells;
-these are the tested copies.
+`apply` and refuses any other ("Unknown variable").
 
-- `make_replicated_step`: a tape per replica, `allreduce_grads`, one apply per replica.
-- `update_ratio`, `update_gap`: how far weights moved, compared with a reference's move.
-- `real_global_batch`: how many examples a distributed batch really holds.
+- `make_replicated_step`: a tape per replica, `allreduce_grads`, one apply per replica;
+  the tested copy of the step notebook 03 writes in cells.
+- `update_ratio`, `update_gap`: how far weights moved, compared with a reference's move
+  (notebook 03 measures the seed's bug and checks the fixes with them).
+- `real_global_batch`: how many examples a distributed batch really holds, the
+  denominator that makes a short last batch match one device.
 """
 
 from __future__ import annotations
