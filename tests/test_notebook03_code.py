@@ -256,3 +256,21 @@ def test_definitions_leave_out_output_and_loops():
 def test_cell_defining_names_the_missing_function():
     with pytest.raises(AssertionError, match="no_such_function"):
         cell_defining("no_such_function")
+
+
+# --- section 6: which errors mean "not available here" ------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("message", "expected"),
+    [
+        ("No OpKernel was registered to support Op 'NcclAllReduce' used by {{node NcclAllReduce}}", True),
+        ("Op type not registered 'NcclAllReduce' in binary running on host.", True),
+        ("NCCL WARN Duplicate GPU detected : rank 1 and rank 0 both on CUDA device 1000", False),
+        ("Incompatible shapes: [4] vs. [5]", False),
+    ],
+)
+def test_only_a_missing_kernel_or_op_counts_as_not_available(devs, message, expected):
+    space = notebook(devs, "not_available_here", train_reference=lambda **_: None)  # the cell trains one
+    not_available_here = space["not_available_here"]
+    assert not_available_here(tf.errors.InvalidArgumentError(None, None, message)) is expected
