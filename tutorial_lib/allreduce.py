@@ -1,8 +1,9 @@
 """All-reduce: every device ends with the sum (or mean) of every device's tensor.
 
 - `central_all_reduce`: gather on one device, sum, send back (the tower-averaging way).
-- `ring_schedule` / `ring_all_reduce`: the bandwidth-optimal ring, written out: reduce-scatter, then
-  all-gather, N-1 steps each; every device sends 2(N-1)/N of the tensor, whatever N is.
+- `ring_schedule` / `ring_all_reduce`: the bandwidth-optimal ring, its chunk moves, then
+  executed: reduce-scatter, then all-gather, N-1 steps each; every device sends 2(N-1)/N of
+  the tensor, whatever N is.
 - `nccl_all_reduce`: NVIDIA's NCCL all-reduce (the public `tf.raw_ops.NcclAllReduce`), on
   distinct physical GPUs only.
 - `all_reduce(tensors, method=...)`: the one entry to the three, which the rest goes through.
