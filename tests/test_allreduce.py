@@ -127,6 +127,18 @@ def test_nccl_on_cpu_says_why_and_what_to_use(devs):
         allreduce.allreduce_grads([[tf.ones(2)], [tf.ones(2)]], method="nccl")
 
 
+def test_nccl_on_logical_gpus_of_one_card_is_refused_before_any_nccl_op_is_built(monkeypatch):
+    from tutorial_lib import devices
+
+    logical = devices.plan(4, "auto", physical_gpus=1)  # four logical GPUs carved from one card
+    assert not logical.nccl_ok
+    monkeypatch.setattr(devices, "current", lambda: logical)
+    monkeypatch.setattr(allreduce, "nccl_sum", lambda *_: pytest.fail("an NCCL op was built on logical GPUs"))
+    gpus = [f"/device:GPU:{i}" for i in range(2)]
+    with pytest.raises(RuntimeError, match="NCCL cannot run on these devices: 1 GPU.*Duplicate GPU"):
+        allreduce.nccl_all_reduce([tf.ones(2), tf.ones(2)], devices=gpus)
+
+
 def test_allreduce_grads_keeps_the_k_by_n_shape(devs):
     rng = np.random.default_rng(0)
     k, shapes = 3, [(4, 2), (2,), ()]

@@ -308,3 +308,18 @@ def test_the_ring_step_ends_with_the_single_device_reference(devs):
     for replica in replicas:
         for v, w in zip(replica.trainable_variables, single.trainable_variables, strict=True):
             np.testing.assert_allclose(v.numpy(), w.numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_every_pipeline_variant_returns_tensors_that_the_timing_waits_for(devs, monkeypatch):
+    # The pipeline case times with `measure`, not `interleaved`: the same rule, checked there.
+    results = []
+
+    def measure(fn, *args, **_counts):
+        results.append(fn(*args))
+        return timing.Timing(1e-3, 0.0)
+
+    monkeypatch.setattr(bench, "measure", measure)
+    rows = bench.pipeline_vs_naive(devs[:2], width=8, batch=8, micro_batches=2, repeats=1, rounds=1, steps=2)
+    assert len(results) == len(rows)  # one round: each variant measured once, in the rows' order
+    for row, result in zip(rows, results, strict=True):
+        assert _tensors(result), f"pipeline: {row['variant']} returned {result!r}, nothing to wait for"

@@ -1,9 +1,11 @@
 """All-reduce: every device ends with the sum (or mean) of every device's tensor.
 
 - `central_all_reduce`: gather on one device, sum, send back (the tower-averaging way).
-- `ring_all_reduce`: the bandwidth-optimal ring, written out: reduce-scatter, then
-  all-gather, N-1 steps each; every device sends 2(N-1)/N of the tensor, whatever N is.
-- `nccl_all_reduce`: NVIDIA's NCCL `all_sum` kernel, on distinct physical GPUs only.
+- `ring_schedule` / `ring_all_reduce`: the bandwidth-optimal ring, its chunk moves, then
+  executed: reduce-scatter, then all-gather, N-1 steps each; every device sends 2(N-1)/N of
+  the tensor, whatever N is.
+- `nccl_all_reduce`: NVIDIA's NCCL all-reduce (the public `tf.raw_ops.NcclAllReduce`), on
+  distinct physical GPUs only.
 - `all_reduce(tensors, method=...)`: the one entry to the three, which the rest goes through.
 - `allreduce_grads`: tensorpack's K towers x N gradients interface over any of them.
 - `pack` / `unpack` / `buckets`: fuse many small tensors into few large ones.
@@ -16,6 +18,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import glob
+import itertools
 import os
 from dataclasses import dataclass
 
@@ -91,15 +94,30 @@ def _chunk_sizes(size: int, n: int) -> list[int]:
     return [size // n + (1 if i < size % n else 0) for i in range(n)]
 
 
+def ring_schedule(n: int) -> list[tuple[str, int, int, int, int]]:
+    """Every chunk move of a ring all-reduce on n devices, in order: (phase, step, source, destination, chunk).
+
+    Reduce-scatter: in step s, device i sends chunk (i - s) mod n to device i+1, which adds
+    it to its own copy; after n-1 steps device i holds the full sum of chunk (i + 1) mod n.
+    All-gather: in step s, device i passes finished chunk (i + 1 - s) mod n on to device i+1.
+    Each step is n moves, one per device, that all read the values from before the step.
+    """
+    n = checks.whole_number(n, "the number of devices n")
+    moves = []
+    for s in range(n - 1):
+        moves += [("reduce-scatter", s, i, (i + 1) % n, (i - s) % n) for i in range(n)]
+    for s in range(n - 1):
+        moves += [("all-gather", s, i, (i + 1) % n, (i + 1 - s) % n) for i in range(n)]
+    return moves
+
+
 @_scoped("ring_all_reduce")
 def ring_all_reduce(tensors, average: bool = False, devices=None, stats: dict | None = None):
     """Ring all-reduce of one tensor per device; returns one result per device, on it.
 
-    Each tensor is cut into N chunks. Reduce-scatter: in step s, device i sends chunk
-    (i - s) mod N to device i+1, which adds it to its own copy; after N-1 steps device i
-    holds the full sum of chunk (i + 1) mod N. All-gather: N-1 more steps pass the
-    finished chunks around the ring. If `stats` is a dict, it receives `bytes_sent` (per
-    device) and `sends`, one (phase, step, source, destination, chunk) per message.
+    Each tensor is cut into N chunks, and the chunk moves of `ring_schedule(N)` are
+    executed one step (N moves) at a time. If `stats` is a dict, it receives `bytes_sent`
+    (per device) and `sends`, the (phase, step, source, destination, chunk) of every message.
     """
     where = _placed(tensors, devices)
     n = len(tensors)
@@ -109,25 +127,18 @@ def ring_all_reduce(tensors, average: bool = False, devices=None, stats: dict | 
     for t, d in zip(tensors, where, strict=True):
         with tf.device(d):
             chunks.append(tf.split(tf.reshape(t, [-1]), sizes))
-    sent, log = [0] * n, []
-
-    def step(phase, s, combine, chunk_of):
-        new = [list(row) for row in chunks]  # every send in a step reads the old values
-        for i in range(n):
-            c, dst = chunk_of(i), (i + 1) % n
+    sent, moves = [0] * n, ring_schedule(n)
+    for first in range(0, len(moves), n):
+        new = [list(row) for row in chunks]  # every move of a step reads the values from before it
+        for phase, _, src, dst, c in moves[first : first + n]:
             with tf.device(where[dst]):
-                new[dst][c] = combine(chunks[dst][c], chunks[i][c])
-            sent[i] += sizes[c] * dtype.size
-            log.append((phase, s, i, dst, c))
-        chunks[:] = new
-
-    for s in range(n - 1):
-        step("reduce-scatter", s, lambda mine, received: mine + received, lambda i, s=s: (i - s) % n)
-    for s in range(n - 1):
-        step("all-gather", s, lambda _mine, received: tf.identity(received), lambda i, s=s: (i + 1 - s) % n)
+                received = chunks[src][c]
+                new[dst][c] = chunks[dst][c] + received if phase == "reduce-scatter" else tf.identity(received)
+            sent[src] += sizes[c] * dtype.size
+        chunks = new
 
     if stats is not None:
-        stats.update(bytes_sent=sent, sends=log)
+        stats.update(bytes_sent=sent, sends=moves)
     results = []
     for i, d in enumerate(where):
         with tf.device(d):
@@ -150,9 +161,38 @@ def central_bytes(num_bytes: int, n: int) -> dict[str, float]:
     }
 
 
+_nccl_names = itertools.count()
+
+
+def nccl_sum(tensors, devices):
+    """NCCL all-reduce through the public raw op: one `tf.raw_ops.NcclAllReduce` per device.
+
+    The k ops of one all-reduce find each other by their `shared_name`, so each call gets a
+    new one. Each op blocks until all k have started: eagerly they would run one by one and
+    wait forever, so outside a `tf.function` the ops are built and run inside one (as
+    TensorFlow's private `nccl_ops.all_sum` does). No checks: see `nccl_all_reduce`.
+    """
+    name = f"tutorial_nccl_{next(_nccl_names)}"
+
+    def build():
+        summed = []
+        for t, d in zip(tensors, devices, strict=True):
+            with tf.device(d):
+                summed.append(
+                    tf.raw_ops.NcclAllReduce(input=t, reduction="sum", num_devices=len(tensors), shared_name=name)
+                )
+        return summed
+
+    return tf.function(build)() if tf.executing_eagerly() else build()
+
+
 @_scoped("nccl_all_reduce")
 def nccl_all_reduce(tensors, average: bool = False, devices=None):
-    """NCCL `all_sum` over tensors on distinct physical GPUs; a clear error anywhere else."""
+    """NCCL all-reduce over tensors on distinct physical GPUs; a clear error anywhere else.
+
+    Logical GPUs carved from one card are refused before any NCCL op is built: NCCL with
+    several ranks on one GPU stops with "Duplicate GPU detected" or hangs.
+    """
     where = _placed(tensors, devices)
     cpus = [d for d in where if "GPU" not in d]
     if cpus:
@@ -165,9 +205,7 @@ def nccl_all_reduce(tensors, average: bool = False, devices=None):
         raise RuntimeError(
             f"NCCL cannot run on these devices: {layout.reason}. Use ring_all_reduce (method='ring') on logical GPUs."
         )
-    from tensorflow.python.ops import nccl_ops
-
-    summed = nccl_ops.all_sum(list(tensors))  # each tensor already on its own GPU
+    summed = nccl_sum(list(tensors), where)
     return [_finish(t, d, len(tensors), average) for t, d in zip(summed, where, strict=True)]
 
 
