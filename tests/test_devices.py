@@ -115,7 +115,7 @@ def test_plan_spreads_over_every_gpu_when_there_are_too_few(n, gpus, per_gpu):
     assert (layout.kind, layout.mode, layout.nccl_ok, layout.model) == ("GPU", "simulated", False, "logical")
     assert layout.per_gpu == per_gpu and sum(layout.per_gpu) == n
     # what was chosen, why NCCL is off, and what to ask for instead
-    assert f"spread over all {gpus}" in layout.reason
+    assert f"spread over the {gpus} GPUs ({' + '.join(map(str, per_gpu))})" in layout.reason
     assert "Duplicate GPU detected" in layout.reason and "may hang" in layout.reason
     assert f"call simulate({gpus}) instead" in layout.reason
     assert layout.reason in str(layout)

@@ -103,7 +103,7 @@ def _spread_reason(n: int, per_gpu: tuple[int, ...]) -> str:
     if gpus == 1:
         return f"1 GPU for {n} devices: {n} logical GPUs carved out of it; {why_not}; NCCL needs 2 or more GPUs"
     return (
-        f"{gpus} GPUs for {n} devices: {n} logical GPUs spread over all {gpus} ({split} per GPU); "
+        f"{gpus} GPUs for {n} devices: {n} logical GPUs spread over the {gpus} GPUs ({split}); "
         f"{why_not}. For NCCL on the {gpus} real GPUs, call simulate({gpus}) instead"
     )
 
