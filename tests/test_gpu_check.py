@@ -63,7 +63,7 @@ def test_report_lists_every_check_and_the_verdict():
     text = gpu_check.report(INFO, ["/physical_device:GPU:0: NVIDIA GeForce GTX 1080 Ti"], 2, results)
     lines = text.splitlines()
     assert "GPUs                 1" in lines and "  /physical_device:GPU:0: NVIDIA GeForce GTX 1080 Ti" in lines
-    assert "checks on 2 logical GPUs carved out of the one GPU:" in lines
+    assert any(line.startswith("checks on 2 logical GPUs carved out of the one GPU, float32") for line in lines)
     for r in results:
         assert any(line.startswith(r.status.upper()) and r.name in line and r.detail in line for line in lines)
     assert "verdict: FAILED 1 of 3 checks" in lines
@@ -169,3 +169,23 @@ def test_make_gpu_check_runs_the_venvs_python_without_forcing_cpus(tmp_path):
         ["make", "-n", "gpu-check"], cwd=tmp_path, capture_output=True, text=True, env=env, check=True
     )
     assert plan.stdout.strip() == ".venv/bin/python -m tutorial_lib.gpu_check"
+
+
+@pytest.mark.parametrize("gpus, code", [(2, 1), (1, 0)])
+def test_main_runs_every_planned_check_and_exits_1_on_a_failure(monkeypatch, capsys, gpus, code):
+    """The orchestration with the GPUs and the children faked: on 2 GPUs the NCCL step 'fails'."""
+    ran = []
+
+    def fake_child(check, n, kind, timeout):
+        ran.append((check.name, n, kind, timeout))
+        return Result(check.name, "fail" if check.what == "train_step" and check.how == "nccl" else "pass", "fake")
+
+    monkeypatch.setattr(gpu_check, "gpu_names", lambda: [f"/physical_device:GPU:{i}: fake" for i in range(gpus)])
+    monkeypatch.setattr(gpu_check, "run_in_child", fake_child)
+    monkeypatch.setattr(gpu_check, "versions", lambda: INFO)
+    assert gpu_check.main(["--timeout", "7"]) == code
+    n, checks, skipped = gpu_check.plan_checks(gpus)
+    assert ran == [(c.name, n, "gpu", 7.0) for c in checks]
+    out = capsys.readouterr().out
+    assert all(c.name in out for c in checks) and all(r.name in out and "SKIP" in out for r in skipped)
+    assert "Paste the report above into" in out

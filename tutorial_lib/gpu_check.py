@@ -147,9 +147,10 @@ def replicated_step(replicas, devices, learning_rate: float, method: str):
     def step(x, y):
         all_grads = []
         for d, net, xs, ys in zip(devices, replicas, tf.split(x, len(devices)), tf.split(y, len(devices)), strict=True):
-            with tf.device(d), tf.GradientTape() as tape:
-                loss = models.cross_entropy(net(xs), ys)
-            all_grads.append(tape.gradient(loss, net.trainable_variables))
+            with tf.device(d):  # forward and backward on the replica's device
+                with tf.GradientTape() as tape:
+                    loss = models.cross_entropy(net(xs), ys)
+                all_grads.append(tape.gradient(loss, net.trainable_variables))
         averaged = allreduce.allreduce_grads(all_grads, average=True, method=method, devices=devices)
         for net, grads in zip(replicas, averaged, strict=True):
             reference.apply_sgd(net.trainable_variables, grads, learning_rate)
@@ -212,6 +213,11 @@ def _child(check: Check, n: int, kind: str) -> None:
     from . import devices
 
     names = devices.simulate(n, kind=kind)
+    import tensorflow as tf
+
+    # Ampere and newer GPUs run float32 matmuls in TF32 by default (10-bit mantissa); the
+    # tolerances assume float32, as on the CPUs where the course is tested.
+    tf.config.experimental.enable_tensor_float_32_execution(False)
     result = run_check(check, names)
     print(_RESULT_TAG + json.dumps(result.__dict__), flush=True)
 
@@ -284,7 +290,7 @@ def report(info: dict[str, str], gpus: list[str], n: int, results: list[Result])
         ]
     else:
         how = f"{n} real GPUs" if len(gpus) >= 2 else "2 logical GPUs carved out of the one GPU"
-        lines += ["", f"checks on {how}:"]
+        lines += ["", f"checks on {how}, float32 (TF32 off), each in a child process with a deadline:"]
         width = max(len(r.name) for r in results)
         lines += [f"{r.status.upper():8s} {r.name:{width}s}  {r.detail}" for r in results]
         failed = [r for r in results if r.status not in ("pass", "skip")]
