@@ -108,6 +108,7 @@ def placement(fn, *args, **kwargs) -> list[tuple[str, str, str]]:
     uses it for TensorBoard's graph view (the public route). Its switches are on the eager
     context, `tensorflow.python.eager.context`, a private module: TensorFlow 2.21's.
     """
+    _refuse_stopped_workers()
     fresh = tf.function(getattr(fn, "python_function", fn))  # placed when first run: now
     variables = fresh.get_concrete_function(*args, **kwargs).variables
     saved = [v.numpy() for v in variables]
@@ -133,6 +134,18 @@ def placement(fn, *args, **kwargs) -> list[tuple[str, str, str]]:
             "TensorFlow returned no executed graph for fn; was it run eagerly (tf.config.run_functions_eagerly)?"
         )
     return rows
+
+
+def _refuse_stopped_workers() -> None:
+    """Refuse to ask for run metadata while a core device's worker is down: TensorFlow asks
+    every worker for it and would wait for the stopped one forever."""
+    stopped = [w for w in core_devices.workers if w.process.poll() is not None]
+    if stopped:
+        raise RuntimeError(
+            f"the core device(s) {[core_devices.device_name(w.task) for w in stopped]} stopped (their worker "
+            f"process exited), so TensorFlow cannot say where fn ran. Their logs: {[str(w.log) for w in stopped]}. "
+            "Restart the kernel to start the core devices again."
+        )
 
 
 def requested_placement(fn, *args, **kwargs) -> list[tuple[str, str, str]]:
