@@ -23,8 +23,11 @@ def test_placement_reports_the_devices_asked_for_when_they_exist(devs):
         with tf.device(devs[1]):
             return tf.matmul(x, w[1], name="on_one")
 
-    where = {name: device for name, _, device in timeline.placement(f, tf.ones([4, 256]))}
-    assert where["on_one"] == "/device:CPU:1"
+    rows = timeline.placement(f, tf.ones([4, 256]))
+    assert {name: device for name, _, device in rows}["on_one"] == "/device:CPU:1"
+    # x arrives on CPU:0 and is copied to CPU:1: the executed graph shows the copy's two ends
+    copies = {(op_type, device) for _, op_type, device in rows if op_type in timeline.COPY_TYPES}
+    assert copies == {("_Send", "/device:CPU:0"), ("_Recv", "/device:CPU:1")}
 
 
 def _fallback_step(x):

@@ -40,8 +40,10 @@ from tensorflow.python.eager import context  # private: see `placement`
 from . import checks, core_devices
 from .devices import normalize
 
+# The copies TensorFlow adds where a value crosses devices: in `placement`, not computation.
+COPY_TYPES = ("_Send", "_Recv", "_HostSend", "_HostRecv")
 # Bookkeeping ops that move or name data but do no work worth drawing.
-_SKIP_TYPES = {"_Send", "_Recv", "_HostSend", "_HostRecv", "NoOp", "Const", "_Arg", "_Retval"}
+_SKIP_TYPES = {*COPY_TYPES, "NoOp", "Const", "_Arg", "_Retval"}
 PHASE_COLORS = {
     "forward": "tab:blue",
     "backward": "tab:orange",
@@ -101,7 +103,8 @@ def placement(fn, *args, **kwargs) -> list[tuple[str, str, str]]:
     such as '/device:CPU:7' on four CPUs, runs elsewhere without a word. So this does not read
     the requests (see `requested_placement`): it runs `fn` once, as a fresh `tf.function`, and
     reads the graphs TensorFlow executed, after its placer and its graph optimizer (which may
-    fuse or rename ops: a MatMul on CPU can run as `_MklMatMul`). The variables `fn` uses are
+    fuse or rename ops: a MatMul on CPU can run as `_MklMatMul`), with the copies it adds between
+    devices (types in `COPY_TYPES`: skip them to count computation). The variables `fn` uses are
     restored afterwards, so that a training step does not train; other state is not.
 
     How: TensorFlow's run metadata with graph collection, as `tf.summary.trace_on(graph=True)`
