@@ -244,3 +244,15 @@ def test_bytes_per_device(devs):
     with tf.device(devs[2]):
         b = tf.Variable(tf.zeros([3], tf.float64))
     assert devices.bytes_per_device([a, b]) == {devs[1]: 400, devs[2]: 24}
+
+
+def test_simulate_announces_the_spread_and_what_to_ask_for(capsys):
+    """What `simulate` prints on the asker's machine (2 GPUs, 4 devices), from the layout it would start."""
+    import dataclasses
+
+    layout = devices.plan(4, physical_gpus=2)
+    names = tuple(f"/device:GPU:{i}" for i in range(4))
+    devices._announce(dataclasses.replace(layout, names=names))
+    out = capsys.readouterr().out
+    assert out.startswith("4 logical GPU device(s) (2 GPUs for 4 devices: 4 logical GPUs spread over the 2 GPUs")
+    assert "call simulate(2) instead" in out and out.rstrip().endswith(", ".join(names))

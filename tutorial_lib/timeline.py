@@ -105,7 +105,8 @@ def placement(fn, *args, **kwargs) -> list[tuple[str, str, str]]:
     reads the graphs TensorFlow executed, after its placer and its graph optimizer (which may
     fuse or rename ops: a MatMul on CPU can run as `_MklMatMul`), with the copies it adds between
     devices (types in `COPY_TYPES`: skip them to count computation). The variables `fn` uses are
-    restored afterwards, so that a training step does not train; other state is not.
+    restored afterwards, so that a training step does not train; other state is not. The fresh
+    function keeps none of fn's `tf.function` options (such as `jit_compile`).
 
     How: TensorFlow's run metadata with graph collection, as `tf.summary.trace_on(graph=True)`
     uses it for TensorBoard's graph view (the public route). Its switches are on the eager
