@@ -108,23 +108,22 @@ def placement(fn, *args, **kwargs) -> list[tuple[str, str, str]]:
     restored afterwards, so that a training step does not train; other state is not. The fresh
     function keeps none of fn's `tf.function` options (such as `jit_compile`).
 
-    How: TensorFlow's run metadata with graph collection, as `tf.summary.trace_on(graph=True)`
-    uses it for TensorBoard's graph view (the public route). Its switches are on the eager
-    context, `tensorflow.python.eager.context`, a private module: TensorFlow 2.21's.
+    How: the eager context's graph collection, read back with its `export_run_metadata`, as
+    `tf.summary.trace_on(graph=True)` and `tf.summary.trace_export` do for TensorBoard's graph
+    view (the public route, which writes them to a summary file instead). The context is
+    `tensorflow.python.eager.context`, a private module: TensorFlow 2.21's.
     """
     _refuse_stopped_workers()
     fresh = tf.function(getattr(fn, "python_function", fn))  # placed when first run: now
     variables = fresh.get_concrete_function(*args, **kwargs).variables
     saved = [v.numpy() for v in variables]
     ctx = context.context()
-    ctx.enable_run_metadata()
     ctx.enable_graph_collection()
     try:
         _fetch(fresh(*args, **kwargs))
         metadata = ctx.export_run_metadata()
     finally:
         ctx.disable_graph_collection()
-        ctx.disable_run_metadata()
         for v, value in zip(variables, saved, strict=True):
             v.assign(value)
     rows = [
@@ -141,7 +140,7 @@ def placement(fn, *args, **kwargs) -> list[tuple[str, str, str]]:
 
 
 def _refuse_stopped_workers() -> None:
-    """Refuse to ask for run metadata while a core device's worker is down: TensorFlow asks
+    """Refuse to export run metadata while a core device's worker is down: TensorFlow asks
     every worker for it and would wait for the stopped one forever."""
     stopped = [w for w in core_devices.workers if w.process.poll() is not None]
     if stopped:
