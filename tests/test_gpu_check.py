@@ -95,6 +95,7 @@ def test_the_cpu_path_says_there_is_no_gpu_and_exits_0():
         Check("train_step", "ring", gpu_check.TRAIN_TOLERANCE),
         Check("train_step", "central", gpu_check.TRAIN_TOLERANCE),
         Check("mirrored", "ReductionToOneDevice", gpu_check.TRAIN_TOLERANCE),
+        Check("mirrored", "HierarchicalCopyAllReduce", gpu_check.TRAIN_TOLERANCE),
         Check("mirrored", "default", gpu_check.TRAIN_TOLERANCE),
     ],
 )

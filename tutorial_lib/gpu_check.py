@@ -190,7 +190,7 @@ def mirrored_difference(devices, cross_device_ops: str, learning_rate: float = 0
     )
     mirrored_train_step(strategy, net, sgd, int(x.shape[0]))(*shards)
     per_replica = [[r.numpy() for r in strategy.experimental_local_results(v)] for v in net.trainable_variables]
-    return max(_max_difference([v[k] for v in per_replica], expected) for k in range(len(devices)))
+    return max(_max_difference([v[r] for v in per_replica], expected) for r in range(k))
 
 
 _DIFFERENCES = {
@@ -205,7 +205,8 @@ def run_check(check: Check, devices) -> Result:
     try:
         return verdict(check, _DIFFERENCES[check.what](devices, check.how))
     except Exception as err:  # reported, not raised: the report must list every check
-        return Result(check.name, "error", f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}")
+        first_line = (str(err).splitlines() or [""])[0]
+        return Result(check.name, "error", f"{type(err).__name__}: {first_line}")
 
 
 def _child(check: Check, n: int, kind: str) -> None:
@@ -249,7 +250,7 @@ def _parse_child(check: Check, returncode: int, out: str, err: str) -> Result:
 
 
 def versions() -> dict[str, str]:
-    """TensorFlow, Keras, Python, CUDA/cuDNN TensorFlow was built with, NCCL, and the GPUs."""
+    """TensorFlow, Keras, Python, the platform, the CUDA and cuDNN TensorFlow was built with, and NCCL."""
     import keras
     import tensorflow as tf
 
