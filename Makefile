@@ -12,7 +12,7 @@ STAMP := $(VENV)/.installed
 RUN_ENV := TUTORIAL_DEVICE=cpu TF_CPP_MIN_LOG_LEVEL=3 PYTHONHASHSEED=0
 NOTEBOOKS := $(sort $(wildcard notebooks/*.ipynb))
 
-.PHONY: install lab student-lab kernel test unit notebooks bench student site clean check-python
+.PHONY: install lab student-lab kernel test unit notebooks bench gpu-check student site clean check-python
 
 install: $(STAMP)
 
@@ -90,6 +90,12 @@ notebooks: $(STAMP)
 # The course's benchmark on this machine: a table, and JSON with BENCH_ARGS="--json bench.json".
 bench: $(STAMP)
 	$(BIN)/python -m tutorial_lib.bench $(BENCH_ARGS)
+
+# On a machine with GPUs: check the course's GPU code (NCCL, MirroredStrategy) on them and print a
+# report to paste into an issue; exits 1 if a check fails. Not under RUN_ENV: TUTORIAL_DEVICE=cpu
+# would hide the GPUs. GPU_CHECK_ARGS="--timeout 600" gives each check longer.
+gpu-check: $(STAMP)
+	$(BIN)/python -m tutorial_lib.gpu_check $(GPU_CHECK_ARGS)
 
 # The hand-out for students: student/ and student.zip (not committed), with the package and the
 # notebooks, solution cells emptied into numbered placeholders and outputs cleared.

@@ -1,6 +1,7 @@
 import subprocess
 import sys
 import textwrap
+import types
 
 import pytest
 
@@ -93,8 +94,75 @@ def test_plan_splits_one_gpu_and_marks_nccl_unusable():
 
 
 def test_plan_uses_real_gpus_when_there_are_enough():
-    layout = devices.plan(2, physical_gpus=8)
-    assert (layout.kind, layout.mode, layout.nccl_ok, layout.model) == ("GPU", "real", True, "real")
+    for gpus in (2, 8):
+        layout = devices.plan(2, physical_gpus=gpus)
+        assert (layout.kind, layout.mode, layout.nccl_ok, layout.model) == ("GPU", "real", True, "real")
+        assert layout.per_gpu == ()
+
+
+def test_plan_carves_one_gpu_into_n():
+    layout = devices.plan(4, physical_gpus=1)
+    assert layout.per_gpu == (4,)
+    assert "1 GPU for 4 devices" in layout.reason and "NCCL needs 2 or more GPUs" in layout.reason
+
+
+@pytest.mark.parametrize(
+    "n, gpus, per_gpu", [(4, 2, (2, 2)), (5, 2, (3, 2)), (4, 3, (2, 1, 1)), (8, 7, (2,) + (1,) * 6)]
+)
+def test_plan_spreads_over_every_gpu_when_there_are_too_few(n, gpus, per_gpu):
+    """The asker's machine: 4 devices on 2 GPUs use both GPUs, not GPU 0 alone."""
+    layout = devices.plan(n, physical_gpus=gpus)
+    assert (layout.kind, layout.mode, layout.nccl_ok, layout.model) == ("GPU", "simulated", False, "logical")
+    assert layout.per_gpu == per_gpu and sum(layout.per_gpu) == n
+    # what was chosen, why NCCL is off, and what to ask for instead
+    assert f"spread over the {gpus} GPUs ({' + '.join(map(str, per_gpu))})" in layout.reason
+    assert "Duplicate GPU detected" in layout.reason and "may hang" in layout.reason
+    assert f"call simulate({gpus}) instead" in layout.reason
+    assert layout.reason in str(layout)
+
+
+@pytest.mark.parametrize("n, gpus, expected", [(4, 2, [2, 2]), (5, 2, [3, 2]), (3, 3, [1, 1, 1]), (2, 4, [1, 1, 0, 0])])
+def test_split_over_gpus(n, gpus, expected):
+    assert devices.split_over_gpus(n, gpus) == expected
+
+
+def test_split_over_gpus_rejects_bad_counts():
+    with pytest.raises(ValueError, match="number of physical GPUs"):
+        devices.split_over_gpus(4, 0)
+
+
+class _FakeConfig:
+    """Records what `devices._configure` asks of `tf.config`, for GPU layouts on a machine without GPUs."""
+
+    def __init__(self, gpus):
+        self.gpus, self.visible, self.logical = [f"gpu{i}" for i in range(gpus)], None, {}
+
+    def list_physical_devices(self, kind):
+        return self.gpus if kind == "GPU" else ["cpu0"]
+
+    def set_visible_devices(self, devs, kind):
+        assert kind == "GPU"
+        self.visible = list(devs)
+
+    def set_logical_device_configuration(self, device, configs):
+        self.logical[device] = [c.memory_limit for c in configs]
+
+    @staticmethod
+    def LogicalDeviceConfiguration(memory_limit=None):  # noqa: N802 (TensorFlow's name)
+        return types.SimpleNamespace(memory_limit=memory_limit)
+
+
+@pytest.mark.parametrize("gpus, n", [(2, 4), (3, 4), (1, 3), (4, 2)])
+def test_configure_makes_the_planned_logical_gpus(gpus, n):
+    config = _FakeConfig(gpus)
+    layout = devices.plan(n, physical_gpus=gpus)
+    devices._configure(types.SimpleNamespace(config=config), layout)
+    if layout.mode == "real":
+        assert config.visible == config.gpus[:n] and config.logical == {}
+    else:
+        assert config.visible == config.gpus  # every GPU is used
+        assert [len(config.logical[g]) for g in config.gpus] == list(layout.per_gpu)
+        assert {m for limits in config.logical.values() for m in limits} == {devices.GPU_MEMORY_MB}
 
 
 @pytest.mark.usefixtures("devs")
@@ -176,3 +244,15 @@ def test_bytes_per_device(devs):
     with tf.device(devs[2]):
         b = tf.Variable(tf.zeros([3], tf.float64))
     assert devices.bytes_per_device([a, b]) == {devs[1]: 400, devs[2]: 24}
+
+
+def test_simulate_announces_the_spread_and_what_to_ask_for(capsys):
+    """What `simulate` prints on the asker's machine (2 GPUs, 4 devices), from the layout it would start."""
+    import dataclasses
+
+    layout = devices.plan(4, physical_gpus=2)
+    names = tuple(f"/device:GPU:{i}" for i in range(4))
+    devices._announce(dataclasses.replace(layout, names=names))
+    out = capsys.readouterr().out
+    assert out.startswith("4 logical GPU device(s) (2 GPUs for 4 devices: 4 logical GPUs spread over the 2 GPUs")
+    assert "call simulate(2) instead" in out and out.rstrip().endswith(", ".join(names))

@@ -5,6 +5,7 @@ import pytest
 import tensorflow as tf
 
 from tutorial_lib import timeline
+from tutorial_lib.devices import normalize
 
 
 def _weights(devs, n=2, size=256):
@@ -15,15 +16,67 @@ def _weights(devs, n=2, size=256):
     return out
 
 
-def test_placement_reports_the_devices_asked_for(devs):
+def test_placement_reports_the_devices_asked_for_when_they_exist(devs):
     w = _weights(devs)
 
     def f(x):
         with tf.device(devs[1]):
             return tf.matmul(x, w[1], name="on_one")
 
-    where = {name: device for name, _, device in timeline.placement(f, tf.ones([4, 256]))}
-    assert where["on_one"] == "/device:CPU:1"
+    rows = timeline.placement(f, tf.ones([4, 256]))
+    assert {name: device for name, _, device in rows}["on_one"] == "/device:CPU:1"
+    # x arrives on CPU:0 and is copied to CPU:1: the executed graph shows the copy's two ends
+    copies = {(op_type, device) for _, op_type, device in rows if op_type in timeline.COPY_TYPES}
+    assert copies == {("_Send", "/device:CPU:0"), ("_Recv", "/device:CPU:1")}
+
+
+def _fallback_step(x):
+    with tf.device("/device:CPU:7"):  # there are 4 CPUs: soft placement moves this op
+        asked_seven = tf.math.square(x, name="asked_seven")
+    with tf.device("/device:CPU:2"):
+        asked_two = tf.math.negative(x, name="asked_two")
+    return asked_seven, asked_two
+
+
+@pytest.mark.usefixtures("devs")  # 4 CPUs
+def test_placement_reports_where_an_op_ran_not_the_request():
+    x = tf.ones([3])
+    asked = {name: device for name, _, device in timeline.requested_placement(_fallback_step, x)}
+    ran = {name: device for name, _, device in timeline.placement(_fallback_step, x)}
+    assert asked["asked_seven"] == "/device:CPU:7" and asked["asked_two"] == "/device:CPU:2"
+    # The executed graph says CPU:0, as the eager runtime does for the same request (a tensor's
+    # .device is where the op that made it ran); the profiler records no device for CPU ops.
+    with tf.device("/device:CPU:7"):
+        eager = tf.math.square(x)
+    assert ran["asked_seven"] == normalize(eager.device) == "/device:CPU:0"
+    assert ran["asked_two"] == "/device:CPU:2"  # a request that can be met is kept
+    # and the request really is impossible: without soft placement it is an error
+    tf.config.set_soft_device_placement(False)
+    try:
+        with pytest.raises(tf.errors.InvalidArgumentError, match="CPU:7"):
+            tf.function(_fallback_step)(x)
+    finally:
+        tf.config.set_soft_device_placement(True)
+
+
+def test_placement_restores_the_variables_fn_changes(devs):
+    with tf.device(devs[1]):
+        v = tf.Variable([1.0, 2.0])
+
+    def step(x):
+        v.assign_add(x)
+        return v.read_value()
+
+    rows = timeline.placement(step, tf.ones([2]))
+    assert v.numpy().tolist() == [1.0, 2.0]  # ran once, then restored
+    assert ("AssignAddVariableOp", "/device:CPU:1") in {(op_type, device) for _, op_type, device in rows}
+
+
+@pytest.mark.usefixtures("devs")
+def test_trace_reports_the_device_an_op_ran_on():
+    events = timeline.trace(_fallback_step, tf.ones([64, 64]))
+    ran = {e.op: e.device for e in events}
+    assert ran["asked_seven"] == "/device:CPU:0" and ran["asked_two"] == "/device:CPU:2"
 
 
 def test_sequential_chain_keeps_one_device_busy_at_a_time(devs):
@@ -125,7 +178,7 @@ def test_the_packages_reduce_scopes_are_reduce_and_nothing_else_is(devs):
         averaged = [towers.average_gradients([[x], [y]], devs[0]) for _ in range(2)]
         return twice, central, averaged
 
-    ops = timeline.placement(step, tf.ones([8]), tf.ones([8]))
+    ops = timeline.requested_placement(step, tf.ones([8]), tf.ones([8]))  # the graph's op names
     scopes = (
         "ring_all_reduce/",
         "ring_all_reduce_1/",

@@ -6,9 +6,9 @@ Three models of a device, each honest for a different purpose:
 - ``logical``: TensorFlow splits one physical device into n *logical* devices, before its
   runtime starts. Without a GPU: n logical CPUs, intra-op threads 1 and inter-op threads
   at least n. Right for correctness; wrong for speed, because they share this process's
-  thread pools, so one of them alone can keep every core busy. With one GPU (or fewer
-  than n): n logical GPUs carved out of GPU 0; NCCL refuses several ranks on one physical
-  GPU ("Duplicate GPU detected").
+  thread pools, so one of them alone can keep every core busy. With fewer GPUs than n: n
+  logical GPUs spread over every GPU there is (`per_gpu`, e.g. 2 + 2 for 4 on two GPUs),
+  NCCL off: it refuses several ranks on one physical GPU ("Duplicate GPU detected").
 - ``cores`` (``kind="cores"``): n TensorFlow server processes, each pinned to its own CPU
   core, used from here with the same `tf.device` code (see `core_devices`). Each device
   has its own processor and memory, and a transfer costs real time: right for speed.
@@ -52,6 +52,7 @@ class Layout:
     reason: str
     model: str  # "logical", "cores" or "real": a key of MODELS
     names: tuple[str, ...] = ()
+    per_gpu: tuple[int, ...] = ()  # logical GPUs made on each physical GPU (logical GPUs only)
 
     def __str__(self) -> str:
         nccl = "NCCL usable" if self.nccl_ok else "no NCCL"
@@ -78,14 +79,32 @@ def plan(n: int, kind: str = "auto", physical_gpus: int = 0) -> Layout:
         return Layout("CPU", n, "simulated", False, f"{why}; NCCL needs real GPUs", "logical")
     if physical_gpus >= n:
         return Layout("GPU", n, "real", True, f"{physical_gpus} GPUs found", "real")
-    return Layout(
-        "GPU",
-        n,
-        "simulated",
-        False,
-        f"{physical_gpus} GPU(s) for {n} devices: NCCL refuses several ranks on one "
-        "physical GPU ('Duplicate GPU detected')",
-        "logical",
+    per_gpu = tuple(split_over_gpus(n, physical_gpus))
+    return Layout("GPU", n, "simulated", False, _spread_reason(n, per_gpu), "logical", per_gpu=per_gpu)
+
+
+def split_over_gpus(n: int, gpus: int) -> list[int]:
+    """How many of n logical GPUs each of `gpus` physical GPUs holds: as equal as possible,
+    the first GPUs one more (4 over 2 -> [2, 2]; 5 over 2 -> [3, 2]). TensorFlow numbers
+    logical GPUs in the order of their physical GPUs: GPU:0 and GPU:1 on the first, and so on."""
+    n = checks.whole_number(n, "the number of devices n")
+    gpus = checks.whole_number(gpus, "the number of physical GPUs")
+    return [n // gpus + (1 if i < n % gpus else 0) for i in range(gpus)]
+
+
+def _spread_reason(n: int, per_gpu: tuple[int, ...]) -> str:
+    """What was chosen for n devices on too few GPUs, why NCCL is off, and what to ask for instead."""
+    gpus = len(per_gpu)
+    split = " + ".join(map(str, per_gpu))
+    why_not = (
+        "NCCL off: it refuses two ranks on one physical GPU ('Duplicate GPU detected') and may "
+        "hang, so use method='ring' or 'central'"
+    )
+    if gpus == 1:
+        return f"1 GPU for {n} devices: {n} logical GPUs carved out of it; {why_not}; NCCL needs 2 or more GPUs"
+    return (
+        f"{gpus} GPUs for {n} devices: {n} logical GPUs spread over the {gpus} GPUs ({split}); "
+        f"{why_not}. For NCCL on the {gpus} real GPUs, call simulate({gpus}) instead"
     )
 
 
@@ -157,12 +176,12 @@ def _configure(tf, layout: Layout) -> None:
         tf.config.threading.set_inter_op_parallelism_threads(max(layout.n, os.cpu_count() or 1))
     elif layout.mode == "real":
         tf.config.set_visible_devices(gpus[: layout.n], "GPU")
-    else:
-        tf.config.set_visible_devices(gpus[:1], "GPU")
-        tf.config.set_logical_device_configuration(
-            gpus[0],
-            [tf.config.LogicalDeviceConfiguration(memory_limit=GPU_MEMORY_MB)] * layout.n,
-        )
+    else:  # n logical GPUs spread over all the physical ones (fewer than n), layout.per_gpu on each
+        tf.config.set_visible_devices(gpus, "GPU")
+        for gpu, k in zip(gpus, layout.per_gpu, strict=True):
+            tf.config.set_logical_device_configuration(
+                gpu, [tf.config.LogicalDeviceConfiguration(memory_limit=GPU_MEMORY_MB) for _ in range(k)]
+            )
 
 
 def _refuse(layout: Layout, have: str, cause: Exception | None = None) -> None:

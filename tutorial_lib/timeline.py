@@ -1,10 +1,11 @@
 """Measured timelines: which device ran which op, and when.
 
 `trace(fn, *args)` runs `fn` once to warm up, then again under TensorFlow's profiler,
-and returns one `Event` per op execution: the device the op was placed on, its name and
-type, and its start and end in milliseconds. The profiler records *when* each op ran;
-the device comes from the placement in the function's graph, since a logical CPU has no
-timeline of its own. `busy_fraction`, `mean_busy_devices` and `plot` read the events.
+and returns one `Event` per op execution: the device the op ran on, its name and type, and
+its start and end in milliseconds. The profiler records *when* each op ran; the device
+comes from `placement`, the graphs TensorFlow executed (after soft placement), since a
+logical CPU has no timeline of its own; `requested_placement` lists what `tf.device` asked
+for. `busy_fraction`, `mean_busy_devices` and `plot` read the events.
 
 On core devices (`devices.simulate(n, kind="cores")`) the ops run in other processes,
 which this process's profiler cannot see. Each worker serves TensorFlow's profiler
@@ -34,12 +35,15 @@ from pathlib import Path
 from typing import NamedTuple
 
 import tensorflow as tf
+from tensorflow.python.eager import context  # private: see `placement`
 
 from . import checks, core_devices
 from .devices import normalize
 
+# The copies TensorFlow adds where a value crosses devices: in `placement`, not computation.
+COPY_TYPES = ("_Send", "_Recv", "_HostSend", "_HostRecv")
 # Bookkeeping ops that move or name data but do no work worth drawing.
-_SKIP_TYPES = {"_Send", "_Recv", "_HostSend", "_HostRecv", "NoOp", "Const", "_Arg", "_Retval"}
+_SKIP_TYPES = {*COPY_TYPES, "NoOp", "Const", "_Arg", "_Retval"}
 PHASE_COLORS = {
     "forward": "tab:blue",
     "backward": "tab:orange",
@@ -93,10 +97,63 @@ class Event:
 
 
 def placement(fn, *args, **kwargs) -> list[tuple[str, str, str]]:
-    """(op name, op type, device) for every op of `fn`'s graph, as TensorFlow placed it.
+    """(op name, op type, device) for every op TensorFlow ran for `fn`, on the device it ran on.
 
-    Ops with no `tf.device` scope get the default device: the first GPU, or CPU:0.
+    `tf.device` is a request: with soft placement (on by default) a request that cannot be met,
+    such as '/device:CPU:7' on four CPUs, runs elsewhere without a word. So this does not read
+    the requests (see `requested_placement`): it runs `fn` once, as a fresh `tf.function`, and
+    reads the graphs TensorFlow executed, after its placer and its graph optimizer (which may
+    fuse or rename ops: a MatMul on CPU can run as `_MklMatMul`), with the copies it adds between
+    devices (types in `COPY_TYPES`: skip them to count computation). The variables `fn` uses are
+    restored afterwards, so that a training step does not train; other state is not. The fresh
+    function keeps none of fn's `tf.function` options (such as `jit_compile`).
+
+    How: the eager context's graph collection, read back with its `export_run_metadata`, as
+    `tf.summary.trace_on(graph=True)` and `tf.summary.trace_export` do for TensorBoard's graph
+    view (the public route, which writes them to a summary file instead). The context is
+    `tensorflow.python.eager.context`, a private module: TensorFlow 2.21's.
     """
+    _refuse_stopped_workers()
+    fresh = tf.function(getattr(fn, "python_function", fn))  # placed when first run: now
+    variables = fresh.get_concrete_function(*args, **kwargs).variables
+    saved = [v.numpy() for v in variables]
+    ctx = context.context()
+    ctx.enable_graph_collection()
+    try:
+        _fetch(fresh(*args, **kwargs))
+        metadata = ctx.export_run_metadata()
+    finally:
+        ctx.disable_graph_collection()
+        for v, value in zip(variables, saved, strict=True):
+            v.assign(value)
+    rows = [
+        (node.name, node.op, normalize(node.device))
+        for graph in metadata.function_graphs
+        for partition in graph.partition_graphs
+        for node in partition.node
+    ]
+    if not rows:
+        raise RuntimeError(
+            "TensorFlow returned no executed graph for fn; was it run eagerly (tf.config.run_functions_eagerly)?"
+        )
+    return rows
+
+
+def _refuse_stopped_workers() -> None:
+    """Refuse to export run metadata while a core device's worker is down: TensorFlow asks
+    every worker for it and would wait for the stopped one forever."""
+    stopped = [w for w in core_devices.workers if w.process.poll() is not None]
+    if stopped:
+        raise RuntimeError(
+            f"the core device(s) {[core_devices.device_name(w.task) for w in stopped]} stopped (their worker "
+            f"process exited), so TensorFlow cannot say where fn ran. Their logs: {[str(w.log) for w in stopped]}. "
+            "Restart the kernel to start the core devices again."
+        )
+
+
+def requested_placement(fn, *args, **kwargs) -> list[tuple[str, str, str]]:
+    """(op name, op type, requested device) for every op of `fn`'s graph: what `tf.device` asked
+    for, '' where nothing was asked. Not where the op ran: see `placement`."""
     return _graph_placement(_as_function(fn).get_concrete_function(*args, **kwargs).graph)
 
 
@@ -105,8 +162,7 @@ def _graph_placement(graph) -> list[tuple[str, str, str]]:
     nodes = list(graph_def.node)
     for function in graph_def.library.function:  # bodies of nested functions and loops
         nodes.extend(function.node_def)
-    default = _default_device()
-    return [(n.name, n.op, normalize(n.device) if n.device else default) for n in nodes]
+    return [(n.name, n.op, normalize(n.device) if n.device else "") for n in nodes]
 
 
 def trace(fn, *args, steps: int = 1, placement_of=None, **kwargs) -> list[Event]:
@@ -116,7 +172,8 @@ def trace(fn, *args, steps: int = 1, placement_of=None, **kwargs) -> list[Event]
     the placement you gave them. The first call (tracing, first allocations) is not
     recorded. A Python function that calls several `tf.function`s (a pipeline's ticks)
     runs as it is when `placement_of` lists their concrete functions (or is a callable
-    that returns them after the warm-up); their graphs then say where each op ran.
+    that returns them after the warm-up); their graphs' requests then stand for where each op
+    ran (they were placed before `trace` could watch: check them with `placement`).
 
     On core devices a second untraced call, timed, sizes the window in which the workers
     capture; a traced run that outlasts it, or a worker that sends no trace, is an error.
@@ -127,7 +184,13 @@ def trace(fn, *args, steps: int = 1, placement_of=None, **kwargs) -> list[Event]
     where = {}
     if placement_of is not None:
         functions = placement_of() if callable(placement_of) else placement_of  # after the warm-up
-        rows = [row for concrete in functions for row in _graph_placement(concrete.graph)]
+        # Already run, so already placed: their requests stand in for the placement (the
+        # default device where they ask for none).
+        rows = [
+            (name, op_type, device or _default_device())
+            for concrete in functions
+            for name, op_type, device in _graph_placement(concrete.graph)
+        ]
     else:
         rows = placement(f, *args, **kwargs)
     for name, _, device in rows:
