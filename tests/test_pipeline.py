@@ -135,6 +135,47 @@ def test_each_op_runs_on_its_stage_device(devs, batch):
             assert op.device.endswith(devs[s].split("/")[-1]), (op.name, op.device)
 
 
+def live_matmuls(graph, device):
+    """The graph's matrix products on `device` that an output or an update needs: TensorFlow
+    prunes the others when it runs the function (the tape builds both gradients of a product)."""
+    needed = [t.op for t in graph.outputs] + [op for op in graph.get_operations() if op.op_def.is_stateful]
+    live = set()
+    while needed:
+        op = needed.pop()
+        if op not in live:
+            live.add(op)
+            needed += [t.op for t in op.inputs] + list(op.control_inputs)
+    return [op for op in live if op.type == "MatMul" and pipeline.normalize(op.device) == device]
+
+
+def multiply_adds(op) -> int:
+    a, b = (t.shape for t in op.inputs)
+    rows, inner = (a[1], a[0]) if op.get_attr("transpose_a") else (a[0], a[1])
+    return rows * inner * (b[0] if op.get_attr("transpose_b") else b[1])
+
+
+def test_the_first_stage_computes_no_gradient_of_the_batch(devs, batch):
+    x, y = batch
+    pipe = pipeline.Pipeline(mlp_stages(devs[:3]), devs[:3], 4, learning_rate=0.0, schedule="1f1b")
+    graph = pipe._train.get_concrete_function(x, y).graph
+    # per micro-batch: stage 0 runs its forward and its weight gradient, but no input gradient
+    assert len(live_matmuls(graph, devs[0])) == 2 * 4
+    assert len(live_matmuls(graph, devs[1])) == 3 * 4
+
+
+def test_bench_stages_do_equal_work(devs):
+    from tutorial_lib import bench
+
+    width, batch = 16, 32
+    stages = bench._balanced_stages(devs[:2], width)
+    x, y = bench._dense_batch(batch, bench.input_width(width))
+    pipe = pipeline.Pipeline(stages, devs[:2], 4, learning_rate=0.0, schedule="gpipe")
+    graph = pipe._train.get_concrete_function(x, y).graph
+    first, second = (sum(map(multiply_adds, live_matmuls(graph, d))) for d in devs[:2])
+    logits = 3 * batch * width * 10  # the second stage's small extra layer: forward, weight and input gradients
+    assert first == second - logits == 9 * batch * width * width
+
+
 @pytest.mark.parametrize("kind", pipeline.SCHEDULES)
 def test_stash_read_from_a_traced_run_keeps_the_bound(devs, batch, kind):
     x, y = batch
