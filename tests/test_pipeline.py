@@ -164,11 +164,11 @@ def test_the_first_stage_computes_no_gradient_of_the_batch(devs, batch):
 
 
 def test_bench_stages_do_equal_work(devs):
-    from tutorial_lib import bench
+    from tutorial_lib import bench_pipeline
 
     width, batch = 16, 32
-    stages = bench._balanced_stages(devs[:2], width)
-    x, y = bench._dense_batch(batch, bench.input_width(width))
+    stages = bench_pipeline.balanced_stages(devs[:2], width)
+    x, y = bench_pipeline.dense_batch(batch, bench_pipeline.input_width(width))
     pipe = pipeline.Pipeline(stages, devs[:2], 4, learning_rate=0.0, schedule="gpipe")
     graph = pipe._train.get_concrete_function(x, y).graph
     first, second = (sum(map(multiply_adds, live_matmuls(graph, d))) for d in devs[:2])
@@ -359,14 +359,83 @@ def test_bench_rows_compare_with_the_naive_split(devs):
     from tutorial_lib import bench
 
     rows = bench.pipeline_vs_naive(devs[:2], width=16, batch=32, micro_batches=4, repeats=1, rounds=1, steps=2)
+    memory = {r["variant"]: r for r in rows if r["case"] == "pipeline memory"}
+    rows = [r for r in rows if r["case"] != "pipeline memory"]
     by_name = {r["variant"]: r for r in rows}
     assert list(by_name)[:3] == ["naive split", "gpipe, M=4", "1f1b, M=4"]
     assert {"gpipe, M=1", "gpipe, M=2", "gpipe, M=4, recompute", "gpipe, M=4, 2 steps, StagedInput"} <= set(by_name)
-    assert all(r["case"] == "pipeline" and r["speedup_vs_naive"] > 0 for r in rows)
+    assert {"data parallel, ring", "stage 0 alone, M=1", "stage 1 alone, M=4", "one micro-batch transfer"} <= set(
+        by_name
+    )
+    assert all(r["case"] == "pipeline" and r["ms"] > 0 for r in rows)
     assert by_name["naive split"]["speedup_vs_naive"] == 1
     assert by_name["gpipe, M=2"]["bubble_theory"] == pytest.approx(1 / 3)
     for r in rows[1:]:
-        assert r["bubble_measured"] == pytest.approx(1 - r["speedup_vs_naive"] / 2)  # busy share = speedup / S
+        if "micro_batches" in r:
+            assert r["bubble_measured"] == pytest.approx(1 - r["speedup_vs_naive"] / 2)  # busy share = speedup / S
+    gap = bench.gap_parts(rows, "1f1b, M=4")
+    assert gap["gap_ms"] == pytest.approx(gap["measured_ms"] - by_name["naive split"]["ms"] * 5 / 8)
+    parts = [v for k, v in gap.items() if k not in ("measured_ms", "ideal_ms", "gap_ms")]
+    assert len(parts) == 6 and sum(parts) == pytest.approx(gap["gap_ms"])
+    assert list(memory) == ["sequential, M=4", "gpipe, M=4", "1f1b, M=4", "gpipe, M=4, recompute"]
+    for r in memory.values():
+        assert r["stash_measured"] == r["stash_bound"]  # read from the traced run
+        assert r["peak_kept_bytes"] == [
+            n * b for n, b in zip(r["stash_measured"], r["kept_bytes_per_micro_batch"], strict=True)
+        ]
+    assert memory["1f1b, M=4"]["stash_measured"] == [2, 1] and memory["gpipe, M=4"]["stash_measured"] == [4, 4]
+    # one micro-batch of 8 rows: stage 0 keeps its input (24 wide) and three outputs (16 wide), in float32
+    assert memory["gpipe, M=4"]["kept_bytes_per_micro_batch"][0] == 8 * (24 + 3 * 16) * 4
+    assert memory["gpipe, M=4, recompute"]["kept_bytes_per_micro_batch"][0] == 8 * 24 * 4  # the input only
+
+
+def test_gap_parts_from_known_times():
+    from tutorial_lib import bench
+
+    def r(variant, ms, **info):
+        return {"variant": variant, "ms": ms, **info}
+
+    rows = [
+        r("naive split", 200.0),
+        r("1f1b, M=4", 150.0, micro_batches=4),
+        r("stage 0 alone, M=1", 90.0, part="stage alone", stage=0, m=1),
+        r("stage 1 alone, M=1", 90.0, part="stage alone", stage=1, m=1),
+        r("stage 0 alone, M=4", 94.0, part="stage alone", stage=0, m=4),
+        r("stage 1 alone, M=4", 98.0, part="stage alone", stage=1, m=4),
+        r("at once", 104.0, part="at once"),
+        r("transfer", 3.0, part="transfer"),
+    ]
+    gap = bench.gap_parts(rows, "1f1b, M=4")
+    fill = 5 / 4
+    assert gap["ideal_ms"] == pytest.approx(200 * fill / 2)
+    assert list(gap.values())[3:] == pytest.approx(
+        [
+            (180 - 200) * fill / 2,  # the naive split's 20 ms of transfers and call
+            (192 - 180) * fill / 2,  # micro-batching
+            98 * fill - 192 * fill / 2,  # the slower stage sets the pace
+            (104 - 98) * fill,  # both at once
+            2 * 3.0,  # fill and drain transfers
+            150 - (104 * fill + 6),  # residual
+        ]
+    )
+
+
+def test_data_parallel_step_equals_the_single_device_step(devs):
+    from tutorial_lib import bench_pipeline
+
+    x, y = bench_pipeline.dense_batch(32, bench_pipeline.input_width(16))
+    replicas = []
+    for d in devs[:2]:
+        with tf.device(d):
+            replicas.append(models.Sequential(bench_pipeline.balanced_stages([d, d], 16)))
+    single = models.Sequential(bench_pipeline.balanced_stages([devs[0], devs[0]], 16))
+    step = bench_pipeline.data_parallel_step(replicas, devs[:2], 0.5)
+    for _ in range(2):
+        loss = step(tf.split(x, 2), tf.split(y, 2))
+        np.testing.assert_allclose(loss, reference.sgd_step(single, x, y, 0.5), atol=1e-5)
+        for net in replicas:
+            for v, w in zip(net.trainable_variables, single.trainable_variables, strict=True):
+                np.testing.assert_allclose(v.numpy(), w.numpy(), atol=1e-5)
 
 
 # --- dropout: the same mask in the forward and in any recomputation --------------------------
