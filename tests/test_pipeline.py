@@ -359,6 +359,11 @@ def test_bench_rows_compare_with_the_naive_split(devs):
     from tutorial_lib import bench
 
     rows = bench.pipeline_vs_naive(devs[:2], width=16, batch=32, micro_batches=4, repeats=1, rounds=1, steps=2)
+    lines = bench.summary(rows)
+    schedules = ["gpipe, M=4", "1f1b, M=4"]
+    assert [line.split(":")[0] for line in lines] == [
+        f"pipeline {v}" for v in [*schedules, "data parallel, ring", *schedules]
+    ]
     memory = {r["variant"]: r for r in rows if r["case"] == "pipeline memory"}
     rows = [r for r in rows if r["case"] != "pipeline memory"]
     by_name = {r["variant"]: r for r in rows}
@@ -405,6 +410,8 @@ def test_gap_parts_from_known_times():
         r("at once", 104.0, part="at once"),
         r("transfer", 3.0, part="transfer"),
     ]
+    with pytest.raises(ValueError, match="timed alone at M = \\[1, 4\\], not at 2"):
+        bench.gap_parts([*rows, r("gpipe, M=2", 160.0, micro_batches=2)], "gpipe, M=2")
     gap = bench.gap_parts(rows, "1f1b, M=4")
     fill = 5 / 4
     assert gap["ideal_ms"] == pytest.approx(200 * fill / 2)

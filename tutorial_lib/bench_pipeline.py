@@ -197,10 +197,15 @@ def gap_parts(rows, variant: str) -> dict[str, float]:
     5. fill and drain transfers: 2 (S-1) micro-batch transfers that nothing overlaps;
     and the residual: what no part measures (waits on dependencies, scheduling, the machine).
     """
+    rows = [r for r in rows if r.get("case", "pipeline") == "pipeline"]  # not the memory rows' names
     by = {r["variant"]: r for r in rows}
     row_, naive = by[variant], by["naive split"]
     S, M = row_.get("stages", 2), row_["micro_batches"]
     alone = {(r["stage"], r["m"]): r["ms"] for r in rows if r.get("part") == "stage alone"}
+    if (0, M) not in alone:
+        raise ValueError(
+            f"{variant!r}: the stages were timed alone at M = {sorted({m for _, m in alone})}, not at {M}."
+        )
     fill = (M + S - 1) / M  # the pipeline's length in steps of the slowest stage
     ideal = naive["ms"] * fill / S
     models = [
