@@ -374,6 +374,7 @@ def test_bench_rows_compare_with_the_naive_split(devs):
     )
     assert all(r["case"] == "pipeline" and r["ms"] > 0 for r in rows)
     assert by_name["naive split"]["speedup_vs_naive"] == 1
+    assert all(by_name[v]["controller_cores"] >= 0 for v in ("naive split", "1f1b, M=4", "data parallel, ring"))
     assert by_name["gpipe, M=2"]["bubble_theory"] == pytest.approx(1 / 3)
     for r in rows[1:]:
         if "micro_batches" in r:

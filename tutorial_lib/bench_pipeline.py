@@ -22,6 +22,7 @@ from __future__ import annotations
 import itertools
 import statistics
 
+from . import timing
 from .bench_rows import compared, row
 from .timing import Timing, measure
 
@@ -245,17 +246,38 @@ def pipeline_vs_naive(
 
     Variants are interleaved in `rounds` (each round measures every variant once, `repeats`
     calls, and keeps their median) so that a busy machine slows them alike; each row's figure
-    is the median of its round medians, its spread their range. The bubble is read from the
-    times: with S stages busy all the time a step would take t_naive / S, so the idle share
-    is 1 - t_naive / (S t).
+    is the median of its round medians, its spread their range. The main rows also carry
+    `controller_cores`: the cores this process keeps busy while it drives the step
+    (`timing.cores_used`), which it takes from the devices' cores when there is no spare one.
+    The bubble is read from the times: with S stages busy all the time a step would take
+    t_naive / S, so the idle share is 1 - t_naive / (S t).
     """
+    pair, M = devs[:2], micro_batches
+    stages = balanced_stages(pair, width)
+    x, y = dense_batch(batch, input_width(width))
+    variants = _schedule_variants(stages, pair, x, y, M, steps)
+    # Every variant gets its batch where it is used (the input on the first stage, the labels on
+    # the last; a replica's shard on its device), so that no step but the two "fed from here"
+    # pays a copy from this process.
+    resident = _resident(pair, x, y)
+    variants["data parallel, ring"] = _data_parallel_variant(pair, width, x, y)
+    if gap:
+        variants.update(_gap_variants(stages, pair, _stage_inputs(stages, pair, x, y), M))
+    rows = _interleaved("pipeline", variants, resident, rounds, repeats, devices=len(pair))
+    for r in rows:  # this process's own CPU, which it takes from the devices' cores while it drives them
+        if r["variant"] in ("naive split", f"gpipe, M={M}", f"1f1b, M={M}", "data parallel, ring"):
+            r["controller_cores"] = timing.cores_used(variants[r["variant"]][0], *resident, repeats=repeats)
+    return _with_ratios(rows, len(pair)) + (memory_rows(devs, width, batch, M) if memory else [])
+
+
+def _schedule_variants(stages, pair, x, y, M, steps) -> dict:
+    """The naive split, GPipe and 1F1B at M, GPipe at 1, 2, 4 and with recomputation, and
+    `steps` batches fed from this process with and without `StagedInput`."""
     import tensorflow as tf
 
     from . import pipeline
 
-    pair, S, M = devs[:2], 2, micro_batches
-    stages = balanced_stages(pair, width)
-    x, y = dense_batch(batch, input_width(width))
+    batch = int(x.shape[0])
     variants = {"naive split": (naive_step(stages, pair), None)}
     for kind, m in [("gpipe", M), ("1f1b", M), *(("gpipe", m) for m in (1, 2, 4))]:
         if m <= M and batch % m == 0 and f"{kind}, M={m}" not in variants:
@@ -273,25 +295,23 @@ def pipeline_vs_naive(
     }
     for name, fn in feeds.items():
         variants[name] = (fn, {**info, "steps": steps})
-    # Every variant gets its batch where it is used (the input on the first stage, the labels on
-    # the last; a replica's shard on its device), so that no step but the two "fed from here"
-    # pays a copy from this process.
-    resident = _resident(pair, x, y)
-    variants["data parallel, ring"] = _data_parallel_variant(pair, width, x, y)
-    if gap:
-        variants.update(_gap_variants(stages, pair, _stage_inputs(stages, pair, x, y), M))
-    rows = _interleaved("pipeline", variants, resident, rounds, repeats, devices=S)
-    memory = memory_rows(devs, width, batch, M) if memory else []
+    return variants
+
+
+def _with_ratios(rows, S):
+    """Per step: the time, the speedup over the naive split (range, verdict) and the bubble."""
+    from . import pipeline
+
     for r in rows:  # every figure is the time of one step
         r["ms"], r["spread_ms"] = r["ms"] / r.get("steps", 1), r["spread_ms"] / r.get("steps", 1)
     naive_ms, naive = rows[0]["ms"], _timing(rows[0])
     for r in rows:
-        if "part" not in r:  # speedup, its range from the spreads, and the verdict
+        if "part" not in r:
             r.update(compared(_timing(r), naive, "speedup_vs_naive"))
         if r.get("micro_batches"):
             r["bubble_measured"] = 1 - naive_ms / (S * r["ms"])
             r["bubble_theory"] = pipeline.bubble_fraction(S, r["micro_batches"])
-    return rows + memory
+    return rows
 
 
 def _timing(r) -> Timing:
