@@ -135,7 +135,7 @@ def test_each_op_runs_on_its_stage_device(devs, batch):
             assert op.device.endswith(devs[s].split("/")[-1]), (op.name, op.device)
 
 
-def live_matmuls(graph, device):
+def live_matmuls(graph, device, any_device=False):
     """The graph's matrix products on `device` that an output or an update needs: TensorFlow
     prunes the others when it runs the function (the tape builds both gradients of a product)."""
     needed = [t.op for t in graph.outputs] + [op for op in graph.get_operations() if op.op_def.is_stateful]
@@ -145,7 +145,7 @@ def live_matmuls(graph, device):
         if op not in live:
             live.add(op)
             needed += [t.op for t in op.inputs] + list(op.control_inputs)
-    return [op for op in live if op.type == "MatMul" and pipeline.normalize(op.device) == device]
+    return [op for op in live if op.type == "MatMul" and (any_device or pipeline.normalize(op.device) == device)]
 
 
 def multiply_adds(op) -> int:
@@ -438,6 +438,9 @@ def test_data_parallel_step_equals_the_single_device_step(devs):
             replicas.append(models.Sequential(bench_pipeline.balanced_stages([d, d], 16)))
     single = models.Sequential(bench_pipeline.balanced_stages([devs[0], devs[0]], 16))
     step = bench_pipeline.data_parallel_step(replicas, devs[:2], 0.5)
+    graph = step.get_concrete_function(tf.split(x, 2), tf.split(y, 2)).graph
+    placed = [pipeline.normalize(op.device) if op.device else None for op in live_matmuls(graph, None, any_device=True)]
+    assert sorted(placed) == sorted(devs[:2] * (len(placed) // 2))  # forward and backward, half on each device
     for _ in range(2):
         loss = step(tf.split(x, 2), tf.split(y, 2))
         np.testing.assert_allclose(loss, reference.sgd_step(single, x, y, 0.5), atol=1e-5)

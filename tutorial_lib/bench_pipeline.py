@@ -95,9 +95,10 @@ def data_parallel_step(replicas, devs, learning_rate):
     def step(x_shards, y_shards):
         grads, losses = [], []
         for d, net, xs, ys in zip(devs, replicas, x_shards, y_shards, strict=True):
-            with tf.device(d), tf.GradientTape() as tape:
-                losses.append(models.cross_entropy(net(xs), ys))
-            grads.append(tape.gradient(losses[-1], net.trainable_variables))
+            with tf.device(d):  # the backward too: outside a device scope it would run in this process
+                with tf.GradientTape() as tape:
+                    losses.append(models.cross_entropy(net(xs), ys))
+                grads.append(tape.gradient(losses[-1], net.trainable_variables))
         for net, g in zip(replicas, allreduce.allreduce_grads(grads, method="ring", devices=devs), strict=True):
             reference.apply_sgd(net.trainable_variables, g, learning_rate)
         with tf.device(devs[0]):
