@@ -428,6 +428,28 @@ def test_gap_parts_from_known_times():
     )
 
 
+def test_each_stage_alone_does_the_products_it_does_in_the_pipeline(devs):
+    from tutorial_lib import bench_pipeline
+
+    width, batch, M = 16, 32, 4
+    stages = bench_pipeline.balanced_stages(devs[:2], width)
+    x, y = bench_pipeline.dense_batch(batch, bench_pipeline.input_width(width))
+    pipe = pipeline.Pipeline(stages, devs[:2], M, learning_rate=0.0, schedule="1f1b")
+    in_pipeline = pipe._train.get_concrete_function(x, y).graph
+    inputs = bench_pipeline._stage_inputs(stages, devs[:2], x, y)
+    for s in range(2):
+        work = bench_pipeline._stage_work(stages, s, M)
+
+        def alone(work=work, s=s):
+            with tf.device(devs[s]):
+                return work(*inputs[s])[0]
+
+        graph = tf.function(alone).get_concrete_function().graph
+        assert sum(map(multiply_adds, live_matmuls(graph, devs[s]))) == sum(
+            map(multiply_adds, live_matmuls(in_pipeline, devs[s]))
+        )
+
+
 def test_data_parallel_step_equals_the_single_device_step(devs):
     from tutorial_lib import bench_pipeline
 

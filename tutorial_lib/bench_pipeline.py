@@ -134,7 +134,8 @@ def _stage_work(stages, s, micro_batches):
                 g[1 if s else 0 :] if total is None else [a + b for a, b in zip(total, g[1 if s else 0 :], strict=True)]
             )
             outs.append(out)
-        return tf.add_n([tf.reduce_sum(t) for t in total]), outs, g_ins
+        # the checksum uses the input gradients too: TensorFlow would not compute them otherwise
+        return tf.add_n([tf.reduce_sum(t) for t in [*total, *g_ins]]), outs, g_ins
 
     return work
 
