@@ -135,6 +135,47 @@ def test_each_op_runs_on_its_stage_device(devs, batch):
             assert op.device.endswith(devs[s].split("/")[-1]), (op.name, op.device)
 
 
+def live_matmuls(graph, device, any_device=False):
+    """The graph's matrix products on `device` that an output or an update needs: TensorFlow
+    prunes the others when it runs the function (the tape builds both gradients of a product)."""
+    needed = [t.op for t in graph.outputs] + [op for op in graph.get_operations() if op.op_def.is_stateful]
+    live = set()
+    while needed:
+        op = needed.pop()
+        if op not in live:
+            live.add(op)
+            needed += [t.op for t in op.inputs] + list(op.control_inputs)
+    return [op for op in live if op.type == "MatMul" and (any_device or pipeline.normalize(op.device) == device)]
+
+
+def multiply_adds(op) -> int:
+    a, b = (t.shape for t in op.inputs)
+    rows, inner = (a[1], a[0]) if op.get_attr("transpose_a") else (a[0], a[1])
+    return rows * inner * (b[0] if op.get_attr("transpose_b") else b[1])
+
+
+def test_the_first_stage_computes_no_gradient_of_the_batch(devs, batch):
+    x, y = batch
+    pipe = pipeline.Pipeline(mlp_stages(devs[:3]), devs[:3], 4, learning_rate=0.0, schedule="1f1b")
+    graph = pipe._train.get_concrete_function(x, y).graph
+    # per micro-batch: stage 0 runs its forward and its weight gradient, but no input gradient
+    assert len(live_matmuls(graph, devs[0])) == 2 * 4
+    assert len(live_matmuls(graph, devs[1])) == 3 * 4
+
+
+def test_bench_stages_do_equal_work(devs):
+    from tutorial_lib import bench_pipeline
+
+    width, batch = 16, 32
+    stages = bench_pipeline.balanced_stages(devs[:2], width)
+    x, y = bench_pipeline.dense_batch(batch, bench_pipeline.input_width(width))
+    pipe = pipeline.Pipeline(stages, devs[:2], 4, learning_rate=0.0, schedule="gpipe")
+    graph = pipe._train.get_concrete_function(x, y).graph
+    first, second = (sum(map(multiply_adds, live_matmuls(graph, d))) for d in devs[:2])
+    logits = 3 * batch * width * 10  # the second stage's small extra layer: forward, weight and input gradients
+    assert first == second - logits == 9 * batch * width * width
+
+
 @pytest.mark.parametrize("kind", pipeline.SCHEDULES)
 def test_stash_read_from_a_traced_run_keeps_the_bound(devs, batch, kind):
     x, y = batch
@@ -318,14 +359,116 @@ def test_bench_rows_compare_with_the_naive_split(devs):
     from tutorial_lib import bench
 
     rows = bench.pipeline_vs_naive(devs[:2], width=16, batch=32, micro_batches=4, repeats=1, rounds=1, steps=2)
+    lines = bench.summary(rows)
+    schedules = ["gpipe, M=4", "1f1b, M=4"]
+    assert [line.split(":")[0] for line in lines] == [
+        f"pipeline {v}" for v in [*schedules, "data parallel, ring", *schedules]
+    ]
+    memory = {r["variant"]: r for r in rows if r["case"] == "pipeline memory"}
+    rows = [r for r in rows if r["case"] != "pipeline memory"]
     by_name = {r["variant"]: r for r in rows}
     assert list(by_name)[:3] == ["naive split", "gpipe, M=4", "1f1b, M=4"]
     assert {"gpipe, M=1", "gpipe, M=2", "gpipe, M=4, recompute", "gpipe, M=4, 2 steps, StagedInput"} <= set(by_name)
-    assert all(r["case"] == "pipeline" and r["speedup_vs_naive"] > 0 for r in rows)
+    assert {"data parallel, ring", "stage 0 alone, M=1", "stage 1 alone, M=4", "one micro-batch transfer"} <= set(
+        by_name
+    )
+    assert all(r["case"] == "pipeline" and r["ms"] > 0 for r in rows)
     assert by_name["naive split"]["speedup_vs_naive"] == 1
+    assert all(by_name[v]["controller_cores"] >= 0 for v in ("naive split", "1f1b, M=4", "data parallel, ring"))
     assert by_name["gpipe, M=2"]["bubble_theory"] == pytest.approx(1 / 3)
     for r in rows[1:]:
-        assert r["bubble_measured"] == pytest.approx(1 - r["speedup_vs_naive"] / 2)  # busy share = speedup / S
+        if "micro_batches" in r:
+            assert r["bubble_measured"] == pytest.approx(1 - r["speedup_vs_naive"] / 2)  # busy share = speedup / S
+    gap = bench.gap_parts(rows, "1f1b, M=4")
+    assert gap["gap_ms"] == pytest.approx(gap["measured_ms"] - by_name["naive split"]["ms"] * 5 / 8)
+    parts = [v for k, v in gap.items() if k not in ("measured_ms", "ideal_ms", "gap_ms")]
+    assert len(parts) == 6 and sum(parts) == pytest.approx(gap["gap_ms"])
+    assert list(memory) == ["sequential, M=4", "gpipe, M=4", "1f1b, M=4", "gpipe, M=4, recompute"]
+    for r in memory.values():
+        assert r["stash_measured"] == r["stash_bound"]  # read from the traced run
+        assert r["peak_kept_bytes"] == [
+            n * b for n, b in zip(r["stash_measured"], r["kept_bytes_per_micro_batch"], strict=True)
+        ]
+    assert memory["1f1b, M=4"]["stash_measured"] == [2, 1] and memory["gpipe, M=4"]["stash_measured"] == [4, 4]
+    # one micro-batch of 8 rows: stage 0 keeps its input (24 wide) and three outputs (16 wide), in float32
+    assert memory["gpipe, M=4"]["kept_bytes_per_micro_batch"][0] == 8 * (24 + 3 * 16) * 4
+    assert memory["gpipe, M=4, recompute"]["kept_bytes_per_micro_batch"][0] == 8 * 24 * 4  # the input only
+
+
+def test_gap_parts_from_known_times():
+    from tutorial_lib import bench
+
+    def r(variant, ms, **info):
+        return {"variant": variant, "ms": ms, **info}
+
+    rows = [
+        r("naive split", 200.0),
+        r("1f1b, M=4", 150.0, micro_batches=4),
+        r("stage 0 alone, M=1", 90.0, part="stage alone", stage=0, m=1),
+        r("stage 1 alone, M=1", 90.0, part="stage alone", stage=1, m=1),
+        r("stage 0 alone, M=4", 94.0, part="stage alone", stage=0, m=4),
+        r("stage 1 alone, M=4", 98.0, part="stage alone", stage=1, m=4),
+        r("at once", 104.0, part="at once"),
+        r("transfer", 3.0, part="transfer"),
+    ]
+    with pytest.raises(ValueError, match="timed alone at M = \\[1, 4\\], not at 2"):
+        bench.gap_parts([*rows, r("gpipe, M=2", 160.0, micro_batches=2)], "gpipe, M=2")
+    gap = bench.gap_parts(rows, "1f1b, M=4")
+    fill = 5 / 4
+    assert gap["ideal_ms"] == pytest.approx(200 * fill / 2)
+    assert list(gap.values())[3:] == pytest.approx(
+        [
+            (180 - 200) * fill / 2,  # the naive split's 20 ms of transfers and call
+            (192 - 180) * fill / 2,  # micro-batching
+            98 * fill - 192 * fill / 2,  # the slower stage sets the pace
+            (104 - 98) * fill,  # both at once
+            2 * 3.0,  # fill and drain transfers
+            150 - (104 * fill + 6),  # residual
+        ]
+    )
+
+
+def test_each_stage_alone_does_the_products_it_does_in_the_pipeline(devs):
+    from tutorial_lib import bench_pipeline
+
+    width, batch, M = 16, 32, 4
+    stages = bench_pipeline.balanced_stages(devs[:2], width)
+    x, y = bench_pipeline.dense_batch(batch, bench_pipeline.input_width(width))
+    pipe = pipeline.Pipeline(stages, devs[:2], M, learning_rate=0.0, schedule="1f1b")
+    in_pipeline = pipe._train.get_concrete_function(x, y).graph
+    inputs = bench_pipeline._stage_inputs(stages, devs[:2], x, y)
+    for s in range(2):
+        work = bench_pipeline._stage_work(stages, s, M)
+
+        def alone(work=work, s=s):
+            with tf.device(devs[s]):
+                return work(*inputs[s])[0]
+
+        graph = tf.function(alone).get_concrete_function().graph
+        assert sum(map(multiply_adds, live_matmuls(graph, devs[s]))) == sum(
+            map(multiply_adds, live_matmuls(in_pipeline, devs[s]))
+        )
+
+
+def test_data_parallel_step_equals_the_single_device_step(devs):
+    from tutorial_lib import bench_pipeline
+
+    x, y = bench_pipeline.dense_batch(32, bench_pipeline.input_width(16))
+    replicas = []
+    for d in devs[:2]:
+        with tf.device(d):
+            replicas.append(models.Sequential(bench_pipeline.balanced_stages([d, d], 16)))
+    single = models.Sequential(bench_pipeline.balanced_stages([devs[0], devs[0]], 16))
+    step = bench_pipeline.data_parallel_step(replicas, devs[:2], 0.5)
+    graph = step.get_concrete_function(tf.split(x, 2), tf.split(y, 2)).graph
+    placed = [pipeline.normalize(op.device) if op.device else None for op in live_matmuls(graph, None, any_device=True)]
+    assert sorted(placed) == sorted(devs[:2] * (len(placed) // 2))  # forward and backward, half on each device
+    for _ in range(2):
+        loss = step(tf.split(x, 2), tf.split(y, 2))
+        np.testing.assert_allclose(loss, reference.sgd_step(single, x, y, 0.5), atol=1e-5)
+        for net in replicas:
+            for v, w in zip(net.trainable_variables, single.trainable_variables, strict=True):
+                np.testing.assert_allclose(v.numpy(), w.numpy(), atol=1e-5)
 
 
 # --- dropout: the same mask in the forward and in any recomputation --------------------------

@@ -13,8 +13,8 @@ devices of this process instead. Every row says which in `device_model`. A busy 
 (load average above the core count) is reported before measuring.
 
 The data-parallel cases (weak and strong scaling) are in `bench_scaling`, TensorFlow's
-multi-worker peer in `bench_worker`, and how a row is made in `bench_rows`; this module has
-the other cases, the table and the command line.
+multi-worker peer in `bench_worker`, the pipeline in `bench_pipeline`, and how a row is made
+in `bench_rows`; this module has the other cases, the table and the command line.
 """
 
 from __future__ import annotations
@@ -24,13 +24,13 @@ import itertools
 import time
 
 from . import timing
+from .bench_pipeline import gap_parts, pipeline_vs_naive
 from .bench_rows import checksums as _checksums
 from .bench_rows import compared as _compared
 from .bench_rows import device_model as _device_model
 from .bench_rows import row as _row
 from .bench_rows import synthetic_batch
 from .bench_scaling import strong_scaling, weak_scaling
-from .timing import measure
 
 
 def packing(devs, tensors=100, elements=1000, repeats=15):
@@ -179,108 +179,6 @@ def input_pipeline(devs, batch=256, steps=20, read_ms=2.0, repeats=5):
     return rows
 
 
-def pipeline_vs_naive(devs, width=512, batch=2048, micro_batches=8, repeats=5, rounds=3, steps=4):
-    """A balanced 2-stage MLP: the naive split against the one-graph GPipe and 1F1B steps.
-
-    Variants are interleaved in `rounds` (each round measures every variant once) so that a
-    busy machine slows them alike. The bubble is read from the times: with S stages busy all
-    the time a step would take t_naive / S, so the idle share is 1 - t_naive / (S t).
-    GPipe is also measured at M = 1, 2, 4 to compare that share with (S-1)/(M+S-1), with
-    recomputation (the time it costs), and over `steps` batches fed from this process with
-    and without `StagedInput`.
-    """
-    import tensorflow as tf
-
-    from . import pipeline
-
-    pair, S = devs[:2], 2
-    stages = _balanced_stages(pair, width)
-    x, y = _dense_batch(batch, width)
-    variants = {"naive split": (_naive_step(stages, pair), None)}
-    for kind, m in [("gpipe", micro_batches), ("1f1b", micro_batches), *(("gpipe", m) for m in (1, 2, 4))]:
-        if m <= micro_batches and batch % m == 0 and f"{kind}, M={m}" not in variants:
-            pipe = pipeline.Pipeline(stages, pair, m, learning_rate=0.0, schedule=kind)
-            variants[f"{kind}, M={m}"] = (pipe.train_step, {"schedule": kind, "micro_batches": m})
-    recompute = pipeline.Pipeline(stages, pair, micro_batches, learning_rate=0.0, schedule="gpipe", recompute=True)
-    info = {"schedule": "gpipe", "micro_batches": micro_batches}
-    variants[f"gpipe, M={micro_batches}, recompute"] = (recompute.train_step, {**info, "recompute": True})
-    pipe = pipeline.Pipeline(stages, pair, micro_batches, learning_rate=0.0, schedule="gpipe")
-    staged = pipeline.StagedInput(pipe)
-    batches = [(tf.identity(x), tf.identity(y)) for _ in range(steps)]  # in this process, not on the devices
-    feeds = {
-        f"gpipe, M={micro_batches}, {steps} steps fed from here": lambda *_: [pipe.train_step(*b) for b in batches],
-        f"gpipe, M={micro_batches}, {steps} steps, StagedInput": lambda *_: staged.run(batches),
-    }
-    for name, fn in feeds.items():
-        variants[name] = (fn, {**info, "steps": steps})
-    rows = _interleaved("pipeline", variants, (x, y), rounds, repeats, devices=S)
-    naive_ms = rows[0]["ms"]
-    for row in rows:  # every figure is the time of one step
-        row["ms"], row["spread_ms"] = row["ms"] / row.get("steps", 1), row["spread_ms"] / row.get("steps", 1)
-        row["speedup_vs_naive"] = naive_ms / row["ms"]
-        if row.get("micro_batches"):
-            row["bubble_measured"] = 1 - naive_ms / (S * row["ms"])
-            row["bubble_theory"] = pipeline.bubble_fraction(S, row["micro_batches"])
-    return rows
-
-
-def _balanced_stages(devs, width):
-    """Two stages of three width x width ReLU layers (the second adds the logits), one per device."""
-    import tensorflow as tf
-
-    from . import models
-
-    stages = []
-    for s, d in enumerate(devs):
-        with tf.device(d):
-            layers = [models.Dense(width, width, relu=True, seed=10 * s + i) for i in range(3)]
-            stages.append(models.Sequential(layers + ([models.Dense(width, 10)] if s else [])))
-    return stages
-
-
-def _dense_batch(batch, width, seed=0):
-    import numpy as np
-    import tensorflow as tf
-
-    rng = np.random.default_rng(seed)
-    x = tf.constant(rng.normal(size=(batch, width)).astype(np.float32))
-    return x, tf.constant(rng.integers(0, 10, batch).astype(np.int32))
-
-
-def _naive_step(stages, devs):
-    """The naive split (notebook 01) as one tf.function: one device busy at a time."""
-    import tensorflow as tf
-
-    from . import pipeline
-
-    variables = [v for stage in stages for v in stage.trainable_variables]
-
-    @tf.function
-    def naive(x, y):  # the update keeps the backward pass: unused gradients would be pruned
-        loss, grads = pipeline.sequential_gradients(stages, devs, x, y)
-        for v, g in zip(variables, grads, strict=True):
-            with tf.device(v.device):
-                v.assign_sub(0.0 * g)
-        return loss
-
-    return naive
-
-
-def _interleaved(case, variants, args, rounds, repeats, **extra):
-    """One row per variant: the median over `rounds` of its median time, every variant once per
-    round, so that a slow minute slows them all; the spread is the range of the round medians."""
-    import statistics
-
-    times = {name: [] for name in variants}
-    for _ in range(rounds):
-        for name, (fn, _) in variants.items():
-            times[name].append(measure(fn, *args, repeats=repeats)[0])
-    return [
-        _row(case, name, statistics.median(times[name]), max(times[name]) - min(times[name]), **extra, **(info or {}))
-        for name, (_, info) in variants.items()
-    ]
-
-
 def mixed_precision(devs, repeats=10):
     """float32 against mixed float16 on the first device, only where it is a GPU with tensor
     cores (compute capability >= 7)."""
@@ -326,7 +224,7 @@ CASES = {
     "packing": packing,
     "allreduce": allreduce_methods,
     "input": input_pipeline,
-    "pipeline": pipeline_vs_naive,
+    "pipeline": pipeline_vs_naive,  # gap_parts(rows, variant) reads the parts of its gap
     "mixed": mixed_precision,
 }
 
@@ -355,7 +253,7 @@ def format_table(rows) -> str:
 
 def summary(rows) -> list[str]:
     """The headline of each case measured, computed from its rows: one line each."""
-    lines = [*_weak_summary(rows)]
+    lines = [*_weak_summary(rows), *_pipeline_summary(rows)]
     for r in rows:
         if r["variant"] == "MultiWorkerMirroredStrategy":
             lines.append(
@@ -368,6 +266,33 @@ def summary(rows) -> list[str]:
             lines.append(
                 f"{r['variant']}: alpha {r['alpha_us']:.0f} us per message (smallest size: "
                 f"{r['smallest_us_per_message']:.0f} us), link {_gb(r['link_gb_per_s'])}"
+            )
+    return lines
+
+
+def _pipeline_summary(rows) -> list[str]:
+    """GPipe and 1F1B at the largest M, and data parallelism, against the naive split; with the
+    gap measurements, each schedule's gap to the ideal, its largest part and the residual."""
+    mine = {r["variant"]: r for r in rows if r["case"] == "pipeline" and "speedup_vs_naive_verdict" in r}
+    m = max((r.get("micro_batches", 0) for r in mine.values()), default=0)
+    schedules = [v for v in (f"gpipe, M={m}", f"1f1b, M={m}") if v in mine]
+    lines = []
+    for variant in [*schedules, "data parallel, ring"]:
+        if variant in mine:
+            r = mine[variant]
+            low, high = r["speedup_vs_naive_range"]
+            lines.append(
+                f"pipeline {variant}: {r['speedup_vs_naive']:.2f}x the naive split "
+                f"(range {low:.2f}-{high:.2f}, {r['speedup_vs_naive_verdict']})"
+            )
+    if any(r.get("part") == "stage alone" and r["m"] == m for r in rows):
+        for variant in schedules:
+            gap = gap_parts(rows, variant)
+            parts = dict(list(gap.items())[3:])
+            largest = max(parts, key=lambda k: abs(parts[k]))
+            lines.append(
+                f"pipeline {variant}: {gap['gap_ms']:.1f} ms above the ideal {gap['ideal_ms']:.1f} ms; "
+                f"largest part: {largest} {parts[largest]:+.1f} ms"
             )
     return lines
 
@@ -494,7 +419,7 @@ def _case_options(args) -> dict[str, dict]:
         "packing": dict(repeats=args.repeats),
         "allreduce": dict(repeats=args.repeats),
         "input": dict(batch=args.batch, repeats=min(args.repeats, 5)),  # an epoch per round: fewer suffice
-        "pipeline": {},
+        "pipeline": dict(rounds=max(3, args.repeats // 3)),  # each round times every variant 5 times
         "mixed": dict(repeats=args.repeats),
     }
 

@@ -189,10 +189,11 @@ class Pipeline:
                         last_op[s] = [out]
                     else:
                         g_in, g_vars = self._backward(s, kept.pop((s, m)), upstream.pop((s, m), None), labels[m])
-                        grads[s].append(g_vars)
+                        # A running sum: one gradient buffer per variable, not M kept to the end.
+                        grads[s] = [a + g for a, g in zip(grads[s], g_vars, strict=True)] if grads[s] else list(g_vars)
                         if s:
                             upstream[s - 1, m] = g_in
-                        last_op[s] = [g_in, *g_vars]
+                        last_op[s] = [g_in, *g_vars] if s else list(g_vars)
         return self._finish(grads, losses, apply)
 
     def _forward(self, s, h, labels):
@@ -220,15 +221,15 @@ class Pipeline:
             tape, h, out = kept
         if upstream is None:  # the last stage: d(mean of M losses) / d(this loss) = 1/M
             upstream = tf.constant(1 / self.micro_batches, out.dtype)
-        g = tape.gradient(out, [h, *self.stages[s].trainable_variables], output_gradients=upstream)
+        variables = list(self.stages[s].trainable_variables)
+        if s == 0:  # nothing needs the gradient of the batch itself: do not compute it
+            return None, tape.gradient(out, variables, output_gradients=upstream)
+        g = tape.gradient(out, [h, *variables], output_gradients=upstream)
         return g[0], g[1:]
 
     def _finish(self, grads, losses, apply: bool):
         """Sum each stage's gradients on its device; update only once every gradient exists."""
-        totals = []
-        for s, per_micro_batch in enumerate(grads):
-            with tf.device(self.devices[s]), tf.name_scope(f"stage{s}/sum"):
-                totals += [tf.add_n(list(g)) for g in zip(*per_micro_batch, strict=True)]
+        totals = [g for per_stage in grads for g in per_stage]
         with tf.device(self.devices[-1]):
             loss = tf.add_n(losses) / self.micro_batches
         if apply:

@@ -1,0 +1,431 @@
+"""The benchmark's pipeline case: one-graph GPipe and 1F1B against the naive split, the parts
+of the gap to the ideal speedup, and the same model data-parallel on the same devices.
+
+`pipeline_vs_naive(devs)` times, in the same interleaved rounds, on a 2-stage MLP whose
+stages do equal work (`balanced_stages`), every batch resident where it is used:
+
+- the naive split, GPipe and 1F1B at M micro-batches, GPipe at M = 1, 2, 4 (the bubble
+  against (S-1)/(M+S-1)), with recomputation, and fed from this process with and without
+  `StagedInput`;
+- "data parallel, ring": each device a full replica on its half of the batch, gradients
+  averaged by ring all-reduce (`data_parallel_step`);
+- the parts of the gap (`gap_parts`): each stage alone on its device (the whole batch, then
+  M micro-batches), both stages at once with the pipeline's transfers but no waits, and
+  one micro-batch's transfer between the devices.
+
+`memory_rows(devs)` reads each schedule's stash from a profiler trace of a step and turns
+it into bytes of kept activations.
+"""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+
+from . import timing
+from .bench_rows import compared, row
+from .timing import Timing, measure
+
+
+def input_width(width: int) -> int:
+    """The width of the batch that `balanced_stages` takes: 1.5 x `width` (see there why)."""
+    return width * 3 // 2
+
+
+def balanced_stages(devs, width, depth=3):
+    """Two stages of `depth` ReLU layers, one per device, that cost the same to train.
+
+    A layer costs its forward, its weight gradient and, except on the first layer of the
+    model, its input gradient: three matrix products of the same size. The first layer has
+    no input gradient to compute, so it takes a batch 1.5 x as wide (`input_width`), which
+    makes its two products cost three of the others: each stage then does 3 x depth (the
+    second also computes the small logits).
+    """
+    import tensorflow as tf
+
+    from . import models
+
+    stages = []
+    for s, d in enumerate(devs):
+        with tf.device(d):
+            widths = [input_width(width) if s == 0 else width] + [width] * depth
+            pairs = enumerate(itertools.pairwise(widths))
+            layers = [models.Dense(a, b, relu=True, seed=10 * s + i) for i, (a, b) in pairs]
+            stages.append(models.Sequential(layers + ([models.Dense(width, 10)] if s else [])))
+    return stages
+
+
+def dense_batch(batch, width, seed=0):
+    import numpy as np
+    import tensorflow as tf
+
+    rng = np.random.default_rng(seed)
+    x = tf.constant(rng.normal(size=(batch, width)).astype(np.float32))
+    return x, tf.constant(rng.integers(0, 10, batch).astype(np.int32))
+
+
+def naive_step(stages, devs):
+    """The naive split (notebook 01) as one tf.function: one device busy at a time."""
+    import tensorflow as tf
+
+    from . import pipeline
+
+    variables = [v for stage in stages for v in stage.trainable_variables]
+
+    @tf.function
+    def naive(x, y):  # the update keeps the backward pass: unused gradients would be pruned
+        loss, grads = pipeline.sequential_gradients(stages, devs, x, y)
+        for v, g in zip(variables, grads, strict=True):
+            with tf.device(v.device):
+                v.assign_sub(0.0 * g)
+        return loss
+
+    return naive
+
+
+def data_parallel_step(replicas, devs, learning_rate):
+    """Data parallelism on the same devices: replica k (the whole model, on device k) trains on
+    shard k; the gradients are averaged by ring all-reduce, so every replica applies the same
+    update. `step(x_shards, y_shards)` returns the mean loss, equal to the whole batch's."""
+    import tensorflow as tf
+
+    from . import allreduce, models, reference
+
+    @tf.function
+    def step(x_shards, y_shards):
+        grads, losses = [], []
+        for d, net, xs, ys in zip(devs, replicas, x_shards, y_shards, strict=True):
+            with tf.device(d):  # the backward too: outside a device scope it would run in this process
+                with tf.GradientTape() as tape:
+                    losses.append(models.cross_entropy(net(xs), ys))
+                grads.append(tape.gradient(losses[-1], net.trainable_variables))
+        for net, g in zip(replicas, allreduce.allreduce_grads(grads, method="ring", devices=devs), strict=True):
+            reference.apply_sgd(net.trainable_variables, g, learning_rate)
+        with tf.device(devs[0]):
+            return tf.add_n(losses) / len(losses)
+
+    return step
+
+
+# --- the parts of the gap to the ideal speedup ----------------------------------------------
+
+
+def _stage_work(stages, s, micro_batches):
+    """Stage s's forwards and backwards of M micro-batches, alone on its device, as the pipeline
+    runs them (an input gradient except on the first stage), without waiting for any other stage.
+    A function of (stage input, upstream gradient or labels) returning a checksum and, for the
+    transfers, the outputs and input gradients of each micro-batch."""
+    import tensorflow as tf
+
+    from . import models
+
+    last, stage = s == len(stages) - 1, stages[s]
+
+    def work(h, after):
+        outs, g_ins, total = [], [], None
+        for hm, am in zip(tf.split(h, micro_batches), tf.split(after, micro_batches), strict=True):
+            with tf.GradientTape() as tape:
+                tape.watch(hm)
+                out = stage(hm)
+                target = models.cross_entropy(out, am) if last else out
+            g = tape.gradient(target, ([hm] if s else []) + list(stage.trainable_variables), None if last else am)
+            g_ins += g[:1] if s else []
+            total = (
+                g[1 if s else 0 :] if total is None else [a + b for a, b in zip(total, g[1 if s else 0 :], strict=True)]
+            )
+            outs.append(out)
+        # the checksum uses the input gradients too: TensorFlow would not compute them otherwise
+        return tf.add_n([tf.reduce_sum(t) for t in [*total, *g_ins]]), outs, g_ins
+
+    return work
+
+
+def _gap_variants(stages, devs, inputs, micro_batches):
+    """Timed functions for `gap_parts`: each stage alone (M = 1 and M), both at once with the
+    pipeline's transfers, and one micro-batch's transfer from the first device to the second."""
+    import tensorflow as tf
+
+    S, variants = len(stages), {}
+    for s in range(S):
+        for m in sorted({1, micro_batches}):
+            work = _stage_work(stages, s, m)
+
+            def alone(work=work, s=s):
+                with tf.device(devs[s]):
+                    return work(*inputs[s])[0]
+
+            variants[f"stage {s} alone, M={m}"] = (tf.function(alone), {"part": "stage alone", "stage": s, "m": m})
+    works = [_stage_work(stages, s, micro_batches) for s in range(S)]
+
+    @tf.function
+    def at_once():  # every stage's work at once; each output and input gradient crosses as in the pipeline
+        sums, results = [], []
+        for s, work in enumerate(works):
+            with tf.device(devs[s]):
+                results.append(work(*inputs[s]))
+                sums.append(results[-1][0])
+        for s in range(S - 1):
+            with tf.device(devs[s + 1]):
+                sums += [tf.reduce_sum(out) for out in results[s][1]]
+            with tf.device(devs[s]):
+                sums += [tf.reduce_sum(g) for g in results[s + 1][2]]
+        return sums
+
+    variants[f"stages at once, M={micro_batches}, transfers, no waits"] = (at_once, {"part": "at once"})
+    with tf.device(devs[0]):
+        one = tf.identity(tf.split(inputs[1][0], micro_batches)[0])  # a micro-batch of activations
+
+    @tf.function
+    def transfer():
+        with tf.device(devs[1]):
+            return tf.reduce_sum(one)
+
+    variants["one micro-batch transfer"] = (transfer, {"part": "transfer"})
+    return {name: (lambda *_, fn=fn: fn(), info) for name, (fn, info) in variants.items()}
+
+
+def gap_parts(rows, variant: str) -> dict[str, float]:
+    """The gap between `variant`'s step time and the formula's, t_naive (M+S-1)/(S M), in
+    measured parts (milliseconds) that add up to it with the residual.
+
+    Each part is the change from one model of the step to the next, every model built from
+    times of the same run:
+    1. the naive split's transfers and call, which the formula divides among the stages too:
+       the ideal with only the stages' compute, Σ_s t_s(1), in place of t_naive;
+    2. micro-batching: Σ_s t_s(M) in place of Σ_s t_s(1) (M small products against one);
+    3. imbalance: the slowest stage sets the pace, S max_s t_s(M) in place of Σ_s t_s(M);
+    4. both devices at once: the stages' work run together, with the pipeline's transfers
+       but without its waits, in place of the slowest stage alone (shared memory and
+       cores, the transfers' work on each side);
+    5. fill and drain transfers: 2 (S-1) micro-batch transfers that nothing overlaps;
+    and the residual: what no part measures (waits on dependencies, scheduling, the machine).
+    """
+    rows = [r for r in rows if r.get("case", "pipeline") == "pipeline"]  # not the memory rows' names
+    by = {r["variant"]: r for r in rows}
+    row_, naive = by[variant], by["naive split"]
+    S, M = row_.get("stages", 2), row_["micro_batches"]
+    alone = {(r["stage"], r["m"]): r["ms"] for r in rows if r.get("part") == "stage alone"}
+    if (0, M) not in alone:
+        raise ValueError(
+            f"{variant!r}: the stages were timed alone at M = {sorted({m for _, m in alone})}, not at {M}."
+        )
+    fill = (M + S - 1) / M  # the pipeline's length in steps of the slowest stage
+    ideal = naive["ms"] * fill / S
+    models = [
+        ideal,
+        sum(alone[s, 1] for s in range(S)) * fill / S,
+        sum(alone[s, M] for s in range(S)) * fill / S,
+        max(alone[s, M] for s in range(S)) * fill,
+        next(r["ms"] for r in rows if r.get("part") == "at once") * fill,
+    ]
+    models.append(models[-1] + 2 * (S - 1) * next(r["ms"] for r in rows if r.get("part") == "transfer"))
+    names = [
+        "naive's transfers and call (the formula divides them)",
+        "micro-batching (M small products, not one)",
+        "imbalance (the slowest stage sets the pace)",
+        "both devices at once (shared cores and memory, transfers' work)",
+        "fill and drain transfers",
+    ]
+    parts = {name: b - a for name, a, b in zip(names, models[:-1], models[1:], strict=True)}
+    return {
+        "measured_ms": row_["ms"],
+        "ideal_ms": ideal,
+        "gap_ms": row_["ms"] - ideal,
+        **parts,
+        "residual (waits, scheduling, the machine)": row_["ms"] - models[-1],
+    }
+
+
+# --- the case --------------------------------------------------------------------------------
+
+
+def pipeline_vs_naive(
+    devs, width=512, batch=2048, micro_batches=8, repeats=5, rounds=3, steps=4, gap=True, memory=True
+):
+    """A 2-stage MLP of equal stages: the naive split against the one-graph GPipe and 1F1B steps,
+    data parallelism on the same devices, (with `gap`) the measurements of `gap_parts`, and
+    (with `memory`) the rows of `memory_rows`, case "pipeline memory", after the timed ones.
+
+    Variants are interleaved in `rounds` (each round measures every variant once, `repeats`
+    calls, and keeps their median) so that a busy machine slows them alike; each row's figure
+    is the median of its round medians, its spread their range. The main rows also carry
+    `controller_cores`: the cores this process keeps busy while it drives the step
+    (`timing.cores_used`), which it takes from the devices' cores when there is no spare one.
+    The bubble is read from the times: with S stages busy all the time a step would take
+    t_naive / S, so the idle share is 1 - t_naive / (S t).
+    """
+    pair, M = devs[:2], micro_batches
+    stages = balanced_stages(pair, width)
+    x, y = dense_batch(batch, input_width(width))
+    variants = _schedule_variants(stages, pair, x, y, M, steps)
+    # Every variant gets its batch where it is used (the input on the first stage, the labels on
+    # the last; a replica's shard on its device), so that no step but the two "fed from here"
+    # pays a copy from this process.
+    resident = _resident(pair, x, y)
+    variants["data parallel, ring"] = _data_parallel_variant(pair, width, x, y)
+    if gap:
+        variants.update(_gap_variants(stages, pair, _stage_inputs(stages, pair, x, y), M))
+    rows = _interleaved("pipeline", variants, resident, rounds, repeats, devices=len(pair))
+    for r in rows:  # this process's own CPU, which it takes from the devices' cores while it drives them
+        if r["variant"] in ("naive split", f"gpipe, M={M}", f"1f1b, M={M}", "data parallel, ring"):
+            r["controller_cores"] = timing.cores_used(variants[r["variant"]][0], *resident, repeats=repeats)
+    return _with_ratios(rows, len(pair)) + (memory_rows(devs, width, batch, M) if memory else [])
+
+
+def _schedule_variants(stages, pair, x, y, M, steps) -> dict:
+    """The naive split, GPipe and 1F1B at M, GPipe at 1, 2, 4 and with recomputation, and
+    `steps` batches fed from this process with and without `StagedInput`."""
+    import tensorflow as tf
+
+    from . import pipeline
+
+    batch = int(x.shape[0])
+    variants = {"naive split": (naive_step(stages, pair), None)}
+    for kind, m in [("gpipe", M), ("1f1b", M), *(("gpipe", m) for m in (1, 2, 4))]:
+        if m <= M and batch % m == 0 and f"{kind}, M={m}" not in variants:
+            pipe = pipeline.Pipeline(stages, pair, m, learning_rate=0.0, schedule=kind)
+            variants[f"{kind}, M={m}"] = (pipe.train_step, {"schedule": kind, "micro_batches": m})
+    recompute = pipeline.Pipeline(stages, pair, M, learning_rate=0.0, schedule="gpipe", recompute=True)
+    info = {"schedule": "gpipe", "micro_batches": M}
+    variants[f"gpipe, M={M}, recompute"] = (recompute.train_step, {**info, "recompute": True})
+    pipe = pipeline.Pipeline(stages, pair, M, learning_rate=0.0, schedule="gpipe")
+    staged = pipeline.StagedInput(pipe)
+    batches = [(tf.identity(x), tf.identity(y)) for _ in range(steps)]  # in this process, not on the devices
+    feeds = {
+        f"gpipe, M={M}, {steps} steps fed from here": lambda *_: [pipe.train_step(*b) for b in batches],
+        f"gpipe, M={M}, {steps} steps, StagedInput": lambda *_: staged.run(batches),
+    }
+    for name, fn in feeds.items():
+        variants[name] = (fn, {**info, "steps": steps})
+    return variants
+
+
+def _with_ratios(rows, S):
+    """Per step: the time, the speedup over the naive split (range, verdict) and the bubble."""
+    from . import pipeline
+
+    for r in rows:  # every figure is the time of one step
+        r["ms"], r["spread_ms"] = r["ms"] / r.get("steps", 1), r["spread_ms"] / r.get("steps", 1)
+    naive_ms, naive = rows[0]["ms"], _timing(rows[0])
+    for r in rows:
+        if "part" not in r:
+            r.update(compared(_timing(r), naive, "speedup_vs_naive"))
+        if r.get("micro_batches"):
+            r["bubble_measured"] = 1 - naive_ms / (S * r["ms"])
+            r["bubble_theory"] = pipeline.bubble_fraction(S, r["micro_batches"])
+    return rows
+
+
+def _timing(r) -> Timing:
+    return Timing(r["ms"] / 1e3, r["spread_ms"] / 1e3)
+
+
+def _resident(devs, x, y):
+    import tensorflow as tf
+
+    with tf.device(devs[0]):
+        x = tf.identity(x)
+    with tf.device(devs[-1]):
+        y = tf.identity(y)
+    return x, y
+
+
+def _data_parallel_variant(devs, width, x, y):
+    import tensorflow as tf
+
+    from . import models
+
+    replicas, shards = [], []
+    for d, xs, ys in zip(devs, tf.split(x, len(devs)), tf.split(y, len(devs)), strict=True):
+        with tf.device(d):
+            replicas.append(models.Sequential(balanced_stages([d, d], width)))  # the same weights on each
+            shards.append((tf.identity(xs), tf.identity(ys)))
+    step = data_parallel_step(replicas, devs, 0.0)
+    x_shards, y_shards = [s[0] for s in shards], [s[1] for s in shards]
+    return (lambda *_: step(x_shards, y_shards)), {"replicas": len(devs)}
+
+
+def _stage_inputs(stages, devs, x, y):
+    """Per stage, on its device: its input for the whole batch and what follows it (the upstream
+    gradient of its output, or the labels on the last stage)."""
+    import tensorflow as tf
+
+    inputs, h = [], x
+    for s, (stage, d) in enumerate(zip(stages, devs, strict=True)):
+        with tf.device(d):
+            h = tf.identity(h)
+            out = stage(h)
+            after = tf.identity(y) if s == len(stages) - 1 else tf.ones_like(out)
+        inputs.append((h, after))
+        h = out
+    return inputs
+
+
+def _interleaved(case, variants, args, rounds, repeats, **extra):
+    """One row per variant: the median over `rounds` of its median time, every variant once per
+    round, so that a slow minute slows them all; the spread is the range of the round medians."""
+    times = {name: [] for name in variants}
+    for _ in range(rounds):
+        for name, (fn, _) in variants.items():
+            times[name].append(measure(fn, *args, repeats=repeats)[0])
+    return [
+        row(case, name, statistics.median(times[name]), max(times[name]) - min(times[name]), **extra, **(info or {}))
+        for name, (_, info) in variants.items()
+    ]
+
+
+# --- memory: the activations each schedule keeps, read from a traced step --------------------
+
+
+def kept_bytes(stage, h, recompute: bool = False) -> int:
+    """Bytes a stage keeps for one micro-batch until its backward: its input and every layer's
+    output (what a kept tape needs for the gradients), or only its input when the backward
+    recomputes the forward. Measured on the tensors of a forward of the micro-batch `h`."""
+    layers = getattr(stage, "layers", [stage])
+    total = h.shape.num_elements() * h.dtype.size
+    if recompute:
+        return total
+    for layer in layers:
+        h = layer(h)
+        total += h.shape.num_elements() * h.dtype.size
+    return total
+
+
+def memory_rows(devs, width=512, batch=2048, micro_batches=8):
+    """Per schedule: the micro-batches each stage kept at once in a traced step (read from the
+    run, `pipeline.stash_from_trace`), the bound of its order, and the bytes of activations that
+    stash holds (`kept_bytes` of one micro-batch, times the stash)."""
+    import tensorflow as tf
+
+    from . import pipeline, timeline
+
+    pair, M = devs[:2], micro_batches
+    stages = balanced_stages(pair, width)
+    x, y = _resident(pair, *dense_batch(batch, input_width(width)))
+    inputs, h = [], x[: batch // M]
+    for stage, d in zip(stages, pair, strict=True):
+        with tf.device(d):
+            inputs.append(h)
+            h = stage(h)
+    rows = []
+    for kind, recompute in (("sequential", False), ("gpipe", False), ("1f1b", False), ("gpipe", True)):
+        pipe = pipeline.Pipeline(stages, pair, M, learning_rate=0.0, schedule=kind, recompute=recompute)
+        events = timeline.trace(
+            pipe.train_step, x, y, placement_of=lambda p=pipe: [p._train.get_concrete_function(x, y)]
+        )
+        stash = pipeline.stash_from_trace(events, len(stages))
+        per_mb = [kept_bytes(st, i, recompute) for st, i in zip(stages, inputs, strict=True)]
+        rows.append(
+            {
+                "case": "pipeline memory",
+                "variant": f"{kind}, M={M}" + (", recompute" if recompute else ""),
+                "ms": None,
+                "spread_ms": None,
+                "devices": len(pair),
+                "stash_measured": stash,
+                "stash_bound": pipeline.stash_bound(pipe.orders),
+                "kept_bytes_per_micro_batch": per_mb,
+                "peak_kept_bytes": [n * b for n, b in zip(stash, per_mb, strict=True)],
+            }
+        )
+    return rows
