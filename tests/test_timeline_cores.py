@@ -111,7 +111,7 @@ def driven(tmp_path_factory):
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     tagged = [line.split(" ", 1) for line in result.stdout.splitlines() if line.split(" ", 1)[0].isupper()]
-    return {tag: json.loads(value) for tag, value in tagged}
+    return {tag: json.loads(value) for tag, value in tagged} | {"stdout": result.stdout}
 
 
 def _compute(report, device):
@@ -135,6 +135,11 @@ def test_independent_chains_keep_both_devices_busy(driven):
     assert {d for d, *_ in report["events"]} == set(TASK)
     assert all(len(_compute(report, d)) == 2 * 48 for d in TASK)  # 2 steps of 24 matmuls and 24 tanhs
     assert sum(report["busy"].values()) > 1.3
+
+
+def test_the_profiler_clients_own_messages_stay_out_of_the_output(driven):
+    assert driven["SEQUENTIAL"]  # traces ran...
+    assert "Starting to trace" not in driven["stdout"]  # ...and TensorFlow's C++ client printed nothing
 
 
 def test_an_idle_worker_is_no_error(driven):

@@ -24,8 +24,11 @@ not the timeline, says how many really ran in parallel (notebook 00 measures bot
 
 from __future__ import annotations
 
+import contextlib
 import glob
+import os
 import re
+import sys
 import tempfile
 import threading
 import time
@@ -257,14 +260,15 @@ def _profile_workers(f, args, kwargs, steps: int, logdir: str, addresses: list[s
             failures.append(err)
 
     capturing = threading.Thread(target=capture, name="tutorial_trace", daemon=True)
-    capturing.start()
-    try:
-        time.sleep(CAPTURE_LEAD_S)  # the request reaches the workers and they start capturing
-        start_ns = time.time_ns()
-        _profile(f, args, kwargs, steps, f"{logdir}/local")  # the ops this process runs itself
-        end_ns = time.time_ns()
-    finally:  # even when f raises: nothing may write into logdir once it is removed
-        capturing.join(window_s + JOIN_GRACE_S)
+    with _c_stdout_silenced():  # the profiler client prints "Starting to trace ..." from C++
+        capturing.start()
+        try:
+            time.sleep(CAPTURE_LEAD_S)  # the request reaches the workers and they start capturing
+            start_ns = time.time_ns()
+            _profile(f, args, kwargs, steps, f"{logdir}/local")  # the ops this process runs itself
+            end_ns = time.time_ns()
+        finally:  # even when f raises: nothing may write into logdir once it is removed
+            capturing.join(window_s + JOIN_GRACE_S)
     if capturing.is_alive():
         raise RuntimeError(
             f"the core devices' profilers did not answer within {JOIN_GRACE_S:.0f} s after the "
@@ -274,6 +278,24 @@ def _profile_workers(f, args, kwargs, steps: int, logdir: str, addresses: list[s
     if failures and not glob.glob(f"{logdir}/workers/**/*.xplane.pb", recursive=True):
         raise RuntimeError(f"the core devices' profilers returned no trace: {failures[0]}") from failures[0]
     return start_ns, end_ns
+
+
+@contextlib.contextmanager
+def _c_stdout_silenced():
+    """Send what C++ code writes to file descriptor 1 to /dev/null for the block.
+
+    Python's own `print` is unaffected in Jupyter (its `sys.stdout` is not descriptor 1);
+    in a terminal it is flushed first and silenced too, for the few seconds of a capture.
+    """
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        with open(os.devnull, "w") as devnull:
+            os.dup2(devnull.fileno(), 1)
+        yield
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
 
 
 def _fetch(result) -> None:
