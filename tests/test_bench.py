@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import tensorflow as tf
 
-from tutorial_lib import bench, devices, timing
+from tutorial_lib import bench, bench_pipeline, devices, timing
 
 ROOT = Path(__file__).resolve().parents[1]
 LOGICAL = ["--device-model", "logical"]
@@ -318,8 +318,10 @@ def test_every_pipeline_variant_returns_tensors_that_the_timing_waits_for(devs, 
         results.append(fn(*args))
         return timing.Timing(1e-3, 0.0)
 
-    monkeypatch.setattr(bench, "measure", measure)
-    rows = bench.pipeline_vs_naive(devs[:2], width=8, batch=8, micro_batches=2, repeats=1, rounds=1, steps=2)
+    monkeypatch.setattr(bench_pipeline, "measure", measure)
+    rows = bench.pipeline_vs_naive(
+        devs[:2], width=8, batch=8, micro_batches=2, repeats=1, rounds=1, steps=2, gap=False, memory=False
+    )
     assert len(results) == len(rows)  # one round: each variant measured once, in the rows' order
     for row, result in zip(rows, results, strict=True):
         assert _tensors(result), f"pipeline: {row['variant']} returned {result!r}, nothing to wait for"

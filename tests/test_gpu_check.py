@@ -167,7 +167,12 @@ def test_make_gpu_check_runs_the_venvs_python_without_forcing_cpus(tmp_path):
     os.utime(tmp_path / "pyproject.toml", (0, 0))
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHON", "TUTORIAL_DEVICE")}
     plan = subprocess.run(
-        ["make", "-n", "gpu-check"], cwd=tmp_path, capture_output=True, text=True, env=env, check=True
+        ["make", "--no-print-directory", "-n", "gpu-check"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env=env,
+        check=True,
     )
     assert plan.stdout.strip() == ".venv/bin/python -m tutorial_lib.gpu_check"
 
