@@ -44,11 +44,17 @@ def test_replicas_with_their_own_adam_equal_one_device_adam(devs, batches, n):
         assert all(slot.value.device.endswith(device[-5:]) for slot in slots)
 
 
-def test_one_adam_shared_by_replicas_is_refused_with_the_reason(devs):
+def _two_replicas(devs):
+    """Two copies of the seed's one-layer model, one per device, with the same initial values."""
     replicas = []
     for device in devs[:2]:
         with tf.device(device):
             replicas.append(models.MLP(hidden=(), seed=0))
+    return replicas
+
+
+def test_one_adam_shared_by_replicas_is_refused_with_the_reason(devs):
+    replicas = _two_replicas(devs)
     adam = tf.keras.optimizers.Adam()
     with pytest.raises(ValueError, match="its own optimizer"):
         replicated_optimizers.make_replicated_step(replicas, [adam, adam], devs[:2])
@@ -57,10 +63,7 @@ def test_one_adam_shared_by_replicas_is_refused_with_the_reason(devs):
 
 
 def test_what_the_check_prevents_keras_refuses_on_the_second_replica(devs):
-    replicas = []
-    for device in devs[:2]:
-        with tf.device(device):
-            replicas.append(models.MLP(hidden=(), seed=0))
+    replicas = _two_replicas(devs)
     adam = tf.keras.optimizers.Adam()
     grads = [tf.ones_like(v) for v in replicas[0].trainable_variables]
     adam.apply_gradients(zip(grads, replicas[0].trainable_variables, strict=True))
