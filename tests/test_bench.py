@@ -303,7 +303,7 @@ def test_the_ring_step_ends_with_the_single_device_reference(devs):
             replicas.append(models.MLP(hidden=(8,)))
     single = models.MLP(hidden=(8,))
     losses = bench_scaling.ring_step(replicas, devs[:2])(x, y)
-    expected = reference.sgd_step(single, x, y, 0.01)
+    expected = reference.sgd_step(single, x, y, bench_scaling.LEARNING_RATE)
     np.testing.assert_allclose(np.mean([float(v) for v in losses]), float(expected), rtol=1e-5)
     for replica in replicas:
         for v, w in zip(replica.trainable_variables, single.trainable_variables, strict=True):

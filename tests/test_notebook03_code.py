@@ -208,7 +208,7 @@ def test_each_nccl_all_reduce_gets_its_own_shared_name(devs):
 
 # --- the replicated step against the benchmark's ----------------------------------------
 
-LR = 0.01  # bench_scaling.ring_step's learning rate
+LR = bench_scaling.LEARNING_RATE  # the notebook's step, run at the benchmark's learning rate
 
 
 def _replicas(devs, hidden=(8,)):

@@ -15,6 +15,8 @@ import functools
 from . import timing
 from .bench_rows import compared, device_model, row, synthetic_batch
 
+LEARNING_RATE = 0.01  # every variant's SGD step: the same update, so only the time differs
+
 
 def weak_scaling(devs, hidden=(256, 256), per_device=256, repeats=15):
     """Same batch per device, 1..N devices, for each per-device batch (an int or a sweep of them).
@@ -64,7 +66,10 @@ def _weak_variants(devs, hidden, x, y) -> dict:
     for d in devs:
         with tf.device(d):
             replicas.append(models.MLP(hidden=hidden))
-    variants = {"hand towers": towers.make_train_step(net, devs, 0.01), "ring, replicated": ring_step(replicas, devs)}
+    variants = {
+        "hand towers": towers.make_train_step(net, devs, LEARNING_RATE),
+        "ring, replicated": ring_step(replicas, devs),
+    }
     if device_model() != "cores":  # MirroredStrategy refuses devices of other processes
         variants["MirroredStrategy"] = _mirrored_step(devs, hidden, x, y)
     return variants
@@ -88,7 +93,7 @@ def ring_step(replicas, devs):
                 grads.append(tape.gradient(loss, net.trainable_variables))
                 losses.append(loss)
         for net, g in zip(replicas, allreduce.allreduce_grads(grads, method="ring"), strict=True):
-            towers.apply_sgd(net.trainable_variables, g, 0.01)
+            towers.apply_sgd(net.trainable_variables, g, LEARNING_RATE)
         # One value from every device: on a GPU, fetching them waits for each device's work.
         return losses
 
@@ -104,7 +109,7 @@ def _mirrored_step(devs, hidden, x, y):
 
     strategy = mirrored_strategy(devs)
     with strategy.scope():
-        net, sgd = models.MLP(hidden=hidden), tf.keras.optimizers.SGD(0.01)
+        net, sgd = models.MLP(hidden=hidden), tf.keras.optimizers.SGD(LEARNING_RATE)
     k, batch = len(devs), int(x.shape[0])
     step = mirrored_train_step(strategy, net, sgd, batch)
     dist = strategy.experimental_distribute_values_from_function(
@@ -145,7 +150,7 @@ def strong_scaling(devs, hidden=(256, 256), global_batch=512, repeats=15):
             continue
         with tf.device(devs[0]):
             net = models.MLP(hidden=hidden)
-        variants[k] = functools.partial(towers.make_train_step(net, devs[:k], 0.01), x, y)
+        variants[k] = functools.partial(towers.make_train_step(net, devs[:k], LEARNING_RATE), x, y)
     timings = timing.interleaved(variants, rounds=repeats)
     rows = []
     for k, t in timings.items():
