@@ -1,4 +1,5 @@
 import contextlib
+import itertools
 
 import numpy as np
 import pytest
@@ -133,6 +134,33 @@ def test_each_op_runs_on_its_stage_device(devs, batch):
         if op.name.startswith("stage") and op.type in ("MatMul", "AddN"):
             s = int(op.name[len("stage")])
             assert op.device.endswith(devs[s].split("/")[-1]), (op.name, op.device)
+
+
+@pytest.mark.parametrize("kind", ["gpipe", "1f1b"])
+def test_each_forward_output_is_copied_to_the_next_stage_before_the_stage_goes_on(devs, batch, kind):
+    """The copy on the next device is part of the forward, and the stage's next op waits for it:
+    otherwise TensorFlow's executor may send the output only when the stage runs out of work."""
+    x, y = batch
+    S, M = 3, 4
+    pipe = pipeline.Pipeline(mlp_stages(devs[:S]), devs[:S], M, learning_rate=0.0, schedule=kind)
+    graph = pipe._train.get_concrete_function(x, y).graph
+    ops = {op.name: op for op in graph.get_operations()}
+    for s in range(S - 1):
+        order = pipe.orders[s]
+        for (op, m), (next_op, next_m) in itertools.pairwise(order):
+            if op != "F":
+                continue
+            copy = next(
+                o
+                for o in graph.get_operations()
+                if o.name.startswith(f"stage{s}/F{m}/") and o.type == "Identity" and o.device == devs[s + 1]
+            )
+            scope = (
+                f"stage{s}/F{next_m}/" if next_op == "F" else f"gradient_tape/stage{s}/F{next_m}/"
+            )  # the tape's names
+            waiting = [o for name, o in ops.items() if name.startswith(scope) and copy in o.control_inputs]
+            assert waiting, f"stage {s}: ({next_op}, {next_m}) does not wait for forward {m}'s copy"
+            assert any(copy is t.op for t in ops[f"stage{s + 1}/F{m}/Identity"].inputs)  # and stage s+1 reads it
 
 
 def live_matmuls(graph, device, any_device=False):
@@ -378,7 +406,12 @@ def test_bench_rows_compare_with_the_naive_split(devs):
     assert by_name["gpipe, M=2"]["bubble_theory"] == pytest.approx(1 / 3)
     for r in rows[1:]:
         if "micro_batches" in r:
-            assert r["bubble_measured"] == pytest.approx(1 - r["speedup_vs_naive"] / 2)  # busy share = speedup / S
+            assert r["bubble_from_times"] == pytest.approx(1 - r["speedup_vs_naive"] / 2)  # busy share = speedup / S
+    for name in ("gpipe, M=1", "gpipe, M=2", "1f1b, M=2", "gpipe, M=4", "1f1b, M=4"):
+        idle = by_name[name]["idle_per_stage"]  # read from traced steps
+        assert len(idle) == 2 and all(0 < share < 1 for share in idle)
+        assert by_name[name]["bubble_measured"] == min(idle) and by_name[name]["start_skew_ms"] >= 0
+    assert "bubble_measured" not in by_name["gpipe, M=4, recompute"]
     gap = bench.gap_parts(rows, "1f1b, M=4")
     assert gap["gap_ms"] == pytest.approx(gap["measured_ms"] - by_name["naive split"]["ms"] * 5 / 8)
     parts = [v for k, v in gap.items() if k not in ("measured_ms", "ideal_ms", "gap_ms")]

@@ -4,9 +4,9 @@ of the gap to the ideal speedup, and the same model data-parallel on the same de
 `pipeline_vs_naive(devs)` times, in the same interleaved rounds, on a 2-stage MLP whose
 stages do equal work (`balanced_stages`), every batch resident where it is used:
 
-- the naive split, GPipe and 1F1B at M micro-batches, GPipe at M = 1, 2, 4 (the bubble
-  against (S-1)/(M+S-1)), with recomputation, and fed from this process with and without
-  `StagedInput`;
+- the naive split, GPipe and 1F1B at M micro-batches and at M = 1, 2, 4 (the bubble, read
+  from traced steps, against (S-1)/(M+S-1)), GPipe with recomputation, and fed from this
+  process with and without `StagedInput`;
 - "data parallel, ring": each device a full replica on its half of the batch, gradients
   averaged by ring all-reduce (`data_parallel_step`);
 - the parts of the gap (`gap_parts`): each stage alone on its device (the whole batch, then
@@ -22,7 +22,7 @@ from __future__ import annotations
 import itertools
 import statistics
 
-from . import timing
+from . import checks, timing
 from .bench_rows import compared, row
 from .timing import Timing, measure
 
@@ -240,7 +240,7 @@ def gap_parts(rows, variant: str) -> dict[str, float]:
 
 
 def pipeline_vs_naive(
-    devs, width=512, batch=2048, micro_batches=8, repeats=5, rounds=3, steps=4, gap=True, memory=True
+    devs, width=512, batch=2048, micro_batches=8, repeats=5, rounds=3, steps=4, gap=True, memory=True, traced_steps=3
 ):
     """A 2-stage MLP of equal stages: the naive split against the one-graph GPipe and 1F1B steps,
     data parallelism on the same devices, (with `gap`) the measurements of `gap_parts`, and
@@ -251,13 +251,19 @@ def pipeline_vs_naive(
     is the median of its round medians, its spread their range. The main rows also carry
     `controller_cores`: the cores this process keeps busy while it drives the step
     (`timing.cores_used`), which it takes from the devices' cores when there is no spare one.
-    The bubble is read from the times: with S stages busy all the time a step would take
-    t_naive / S, so the idle share is 1 - t_naive / (S t).
+    The bubble of each plain GPipe and 1F1B row is read from traced steps (`idle_shares`):
+    `idle_per_stage`, the share of a step each stage's device ran none of its ops (and
+    `start_skew_ms`, how long after the step's earliest op the first stage started), and
+    `bubble_measured`, the least of them: the idle share of the stage that sets the pace (the
+    formula assumes equal stages; a faster stage also waits for the slower one, which is
+    imbalance, not the schedule's bubble). `bubble_from_times`, 1 - t_naive / (S t), reads it
+    from the times instead, as if the naive split were S stages' work one after the other: it
+    also counts what slows the two devices down together and the naive split's own overlaps.
     """
     pair, M = devs[:2], micro_batches
     stages = balanced_stages(pair, width)
     x, y = dense_batch(batch, input_width(width))
-    variants = _schedule_variants(stages, pair, x, y, M, steps)
+    variants, pipes = _schedule_variants(stages, pair, x, y, M, steps)
     # Every variant gets its batch where it is used (the input on the first stage, the labels on
     # the last; a replica's shard on its device), so that no step but the two "fed from here"
     # pays a copy from this process.
@@ -269,21 +275,69 @@ def pipeline_vs_naive(
     for r in rows:  # this process's own CPU, which it takes from the devices' cores while it drives them
         if r["variant"] in ("naive split", f"gpipe, M={M}", f"1f1b, M={M}", "data parallel, ring"):
             r["controller_cores"] = timing.cores_used(variants[r["variant"]][0], *resident, repeats=repeats)
-    return _with_ratios(rows, len(pair)) + (memory_rows(devs, width, batch, M) if memory else [])
+    rows = _with_ratios(rows, len(pair))
+    for r in rows:  # after the timed rounds: a traced step is slower, and would disturb them
+        if r["variant"] in pipes:
+            r.update(idle_shares(pipes[r["variant"]], *resident, steps=traced_steps))
+            r["bubble_measured"] = min(r["idle_per_stage"])  # the stage that sets the pace
+    return rows + (memory_rows(devs, width, batch, M) if memory else [])
+
+
+def idle_shares(pipe, x, y, steps=3) -> dict:
+    """Read from `steps` traced steps of `pipe`: for each stage, the share of a step during
+    which its device ran none of its ops (`idle_per_stage`), and how long the first stage
+    started after the earliest op of the step (`start_skew_ms`), averaged over the steps.
+
+    A step lasts from the first stage's first op, which starts the pipeline, to the step
+    counter's update, its last op. A later stage that starts first (reading its weights,
+    splitting its labels) waits for this process to start the first stage: a cost of the call,
+    `start_skew_ms`, not of the schedule. The trace holds one step more, first, which is not
+    read: a profiler slows the first step it records. Waiting for another stage counts as idle;
+    an op that the other device slows down counts as busy, so what slows ops down (smaller
+    products, two devices at once) shows in the times (`bubble_from_times`), not here.
+    """
+    from . import timeline
+
+    concrete = [pipe._train.get_concrete_function(x, y)]
+    steps = checks.whole_number(steps, "steps")
+    events = timeline.trace(pipe.train_step, x, y, steps=steps + 1, placement_of=concrete)
+    ends = sorted(e.end for e in events if e.type == "AssignAddVariableOp")  # one per step
+    if len(ends) != steps + 1:
+        raise RuntimeError(f"expected {steps + 1} step counter updates in the trace, found {len(ends)}.")
+    shares, skews = [], []
+    for before, end in itertools.pairwise(ends):
+        firsts = [min(e.start for e in events if e.device == d and e.start > before) for d in pipe.devices]
+        start = firsts[0]  # the first stage starts the pipeline
+        skews.append(start - min(firsts))
+        shares.append([1 - _busy_between(events, d, start, end) / (end - start) for d in pipe.devices])
+    return {
+        "idle_per_stage": [statistics.fmean(per_step) for per_step in zip(*shares, strict=True)],
+        "start_skew_ms": statistics.fmean(skews),
+    }
+
+
+def _busy_between(events, device, start, end) -> float:
+    """Milliseconds between `start` and `end` during which `device` ran at least one op."""
+    from . import timeline
+
+    spans = timeline._merged((e.start, e.end) for e in events if e.device == device)
+    return sum(max(0.0, min(b, end) - max(a, start)) for a, b in spans)
 
 
 def _schedule_variants(stages, pair, x, y, M, steps) -> dict:
-    """The naive split, GPipe and 1F1B at M, GPipe at 1, 2, 4 and with recomputation, and
-    `steps` batches fed from this process with and without `StagedInput`."""
+    """The timed variants: the naive split, GPipe and 1F1B at M, GPipe at 1, 2, 4, 1F1B at 2, 4
+    (at M = 1 it is GPipe), GPipe with recomputation, and `steps` batches fed from this process
+    with and without `StagedInput`. And the plain pipelines by name, for `idle_shares`."""
     import tensorflow as tf
 
     from . import pipeline
 
     batch = int(x.shape[0])
-    variants = {"naive split": (naive_step(stages, pair), None)}
-    for kind, m in [("gpipe", M), ("1f1b", M), *(("gpipe", m) for m in (1, 2, 4))]:
+    variants, pipes = {"naive split": (naive_step(stages, pair), None)}, {}
+    sweep = [("gpipe", 1), ("gpipe", 2), ("1f1b", 2), ("gpipe", 4), ("1f1b", 4)]  # 1F1B at M = 1 is GPipe
+    for kind, m in [("gpipe", M), ("1f1b", M), *sweep]:
         if m <= M and batch % m == 0 and f"{kind}, M={m}" not in variants:
-            pipe = pipeline.Pipeline(stages, pair, m, learning_rate=0.0, schedule=kind)
+            pipe = pipes[f"{kind}, M={m}"] = pipeline.Pipeline(stages, pair, m, learning_rate=0.0, schedule=kind)
             variants[f"{kind}, M={m}"] = (pipe.train_step, {"schedule": kind, "micro_batches": m})
     recompute = pipeline.Pipeline(stages, pair, M, learning_rate=0.0, schedule="gpipe", recompute=True)
     info = {"schedule": "gpipe", "micro_batches": M}
@@ -297,7 +351,7 @@ def _schedule_variants(stages, pair, x, y, M, steps) -> dict:
     }
     for name, fn in feeds.items():
         variants[name] = (fn, {**info, "steps": steps})
-    return variants
+    return variants, pipes
 
 
 def _with_ratios(rows, S):
@@ -311,7 +365,7 @@ def _with_ratios(rows, S):
         if "part" not in r:
             r.update(compared(_timing(r), naive, "speedup_vs_naive"))
         if r.get("micro_batches"):
-            r["bubble_measured"] = 1 - naive_ms / (S * r["ms"])
+            r["bubble_from_times"] = 1 - naive_ms / (S * r["ms"])
             r["bubble_theory"] = pipeline.bubble_fraction(S, r["micro_batches"])
     return rows
 

@@ -6,7 +6,9 @@ micro-batch, in the order its *schedule* gives. The whole schedule is unrolled w
 step is traced: one graph holds every forward and backward of the step, and
 `tf.control_dependencies` chains each stage's ops in its order. Nothing else is ordered,
 so stage 0 can run ("F", 1) while stage 1 runs ("F", 0): the devices work at once, and
-no Python runs between them.
+no Python runs between them. A forward's output is copied to the next stage's device inside
+its op, and the stage's next op waits for that copy (`_arrived`): otherwise TensorFlow may
+send it only when the stage runs out of work.
 
 - "sequential": the naive split, micro-batched; one micro-batch at a time, forward and back.
 - "gpipe": every forward, then every backward. Each stage keeps all M micro-batches'
@@ -184,7 +186,8 @@ class Pipeline:
                         kept[s, m], out = self._forward(s, h, labels[m])
                         if s == S - 1:
                             losses.append(out)
-                        else:
+                        else:  # this stage's next op waits until the output is on the next stage
+                            out = _arrived(out, self.devices[s + 1])
                             inputs[s + 1, m] = out
                         last_op[s] = [out]
                     else:
@@ -233,10 +236,12 @@ class Pipeline:
         with tf.device(self.devices[-1]):
             loss = tf.add_n(losses) / self.micro_batches
         if apply:
+            updates = []
             with tf.control_dependencies(totals):  # all or nothing: no stage updates alone
                 for v, g in zip(self.variables, totals, strict=True):
                     with tf.device(v.device), tf.name_scope("update"):
-                        v.assign_sub(self.learning_rate * g)
+                        updates.append(v.assign_sub(self.learning_rate * g))
+            with tf.control_dependencies(updates):  # the step's last op: its number moves on when it is done
                 self.step.assign_add(1)
         return loss, totals
 
@@ -274,6 +279,22 @@ class Pipeline:
                     f"stage {s} cannot take {what} (shape {h.shape}, {h.dtype.name}): {str(err).splitlines()[0]}{hint}"
                 ) from None
         check_mean_reduced(self.loss_fn, h, labels)
+
+
+def _arrived(out, device):
+    """`out`, copied to `device`: the stage's next op waits for this copy, not only for `out`.
+
+    Without the wait, the send may run only once the stage runs out of ready work. Measured on
+    core devices (a trace of the workers' `_Send` ops): GPipe's eight forward sends of stage 0
+    ran together after its eighth forward, last first, and stage 1 waited for the whole forward
+    phase; notebook 05 traces when stage 1 starts. That fits TensorFlow's executor, where a
+    thread that has cheap ready ops to run hands a ready op it counts as expensive (on a CPU
+    device, one whose measured cost is above a threshold, the send here) to the thread pool
+    (`ExecutorState::ScheduleReady` and `KernelStats` in executor.cc); why neither inter-op
+    thread of the worker ran it sooner, we did not establish.
+    """
+    with tf.device(device):
+        return tf.identity(out)
 
 
 def _sample(shape, dtype, rows):
