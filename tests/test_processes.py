@@ -101,6 +101,7 @@ def test_stop_reaches_the_childs_whole_process_group():
 PARENT = """
 import os, signal, sys, time
 from tutorial_lib import processes
+signal.signal(signal.SIGHUP, signal.SIG_DFL)  # not ignored because the test runs under nohup
 child = processes.spawn([sys.executable, "-c", "import time; time.sleep(300)"])
 print(child.pid, flush=True)
 if sys.argv[1] == "returns":
@@ -124,7 +125,7 @@ def test_a_child_dies_with_its_parent(tmp_path, ending):
     try:
         if not isinstance(ending, str):
             parent.send_signal(ending)
-        parent.wait()
+        parent.wait(timeout=60)  # a parent that survives its signal fails the test, it does not hang it
         assert all_dead([child]), f"child {child} outlived its parent ({ending})"
     finally:
         kill_leftovers([child])
