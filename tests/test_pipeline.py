@@ -155,9 +155,8 @@ def test_each_forward_output_is_copied_to_the_next_stage_before_the_stage_goes_o
                 for o in graph.get_operations()
                 if o.name.startswith(f"stage{s}/F{m}/") and o.type == "Identity" and o.device == devs[s + 1]
             )
-            scope = (
-                f"stage{s}/F{next_m}/" if next_op == "F" else f"gradient_tape/stage{s}/F{next_m}/"
-            )  # the tape's names
+            prefix = "" if next_op == "F" else "gradient_tape/"  # a backward's ops carry the tape's names
+            scope = f"{prefix}stage{s}/F{next_m}/"
             waiting = [o for name, o in ops.items() if name.startswith(scope) and copy in o.control_inputs]
             assert waiting, f"stage {s}: ({next_op}, {next_m}) does not wait for forward {m}'s copy"
             assert any(copy is t.op for t in ops[f"stage{s + 1}/F{m}/Identity"].inputs)  # and stage s+1 reads it
@@ -384,7 +383,7 @@ def test_staged_input_refuses_a_tf_function_and_other_shapes(devs, batch):
 
 
 def test_bench_rows_compare_with_the_naive_split(devs):
-    from tutorial_lib import bench
+    from tutorial_lib import bench, bench_pipeline
 
     rows = bench.pipeline_vs_naive(devs[:2], width=16, batch=32, micro_batches=4, repeats=1, rounds=1, steps=2)
     lines = bench.summary(rows)
@@ -412,6 +411,9 @@ def test_bench_rows_compare_with_the_naive_split(devs):
         assert len(idle) == 2 and all(0 < share < 1 for share in idle)
         assert by_name[name]["bubble_measured"] == min(idle) and by_name[name]["start_skew_ms"] >= 0
     assert "bubble_measured" not in by_name["gpipe, M=4, recompute"]
+    pipe = pipeline.Pipeline(bench_pipeline.balanced_stages(devs[:2], 16), devs[:2], 2, learning_rate=0.0)
+    with pytest.raises(ValueError, match="steps must be a whole number >= 1, got 0"):
+        bench_pipeline.idle_shares(pipe, tf.zeros([4, 24]), tf.zeros([4], tf.int32), steps=0)
     gap = bench.gap_parts(rows, "1f1b, M=4")
     assert gap["gap_ms"] == pytest.approx(gap["measured_ms"] - by_name["naive split"]["ms"] * 5 / 8)
     parts = [v for k, v in gap.items() if k not in ("measured_ms", "ideal_ms", "gap_ms")]

@@ -298,8 +298,8 @@ def idle_shares(pipe, x, y, steps=3) -> dict:
     """
     from . import timeline
 
+    steps = checks.whole_number(steps, "steps")  # before anything is traced
     concrete = [pipe._train.get_concrete_function(x, y)]
-    steps = checks.whole_number(steps, "steps")
     events = timeline.trace(pipe.train_step, x, y, steps=steps + 1, placement_of=concrete)
     ends = sorted(e.end for e in events if e.type == "AssignAddVariableOp")  # one per step
     if len(ends) != steps + 1:
