@@ -241,6 +241,77 @@ def test_a_failed_step_leaves_no_partial_update_and_the_next_step_is_right(devs,
     assert_same_step(pipe, single, x, y, 0.5)
 
 
+# --- a wave: several steps in one call ------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["gpipe", "1f1b"])
+def test_a_wave_equals_the_single_device_steps(devs, batch, kind):
+    x, y = batch
+    pipe = pipeline.Pipeline(mlp_stages(devs[:3]), devs[:3], 4, learning_rate=0.5, schedule=kind)
+    single = models.Sequential(mlp_stages())
+    batches = batches_of(x, y, 16)
+    losses = pipe.train_steps(*zip(*batches, strict=True))
+    refs = [reference.sgd_step(single, xb, yb, 0.5) for xb, yb in batches]
+    np.testing.assert_allclose(losses, refs, atol=1e-5)
+    for v, w in zip(pipe.variables, single.trainable_variables, strict=True):
+        np.testing.assert_allclose(v.numpy(), w.numpy(), atol=1e-5)
+    assert int(pipe.step) == len(batches)
+
+
+def test_a_wave_draws_the_dropout_masks_of_its_steps(devs, batch):
+    x, y = batch
+    waved = pipeline.Pipeline(dropout_stages(devs[:3]), devs[:3], 4, learning_rate=0.5, schedule="1f1b")
+    stepped = pipeline.Pipeline(dropout_stages(devs[:3]), devs[:3], 4, learning_rate=0.5, schedule="1f1b")
+    stepped.train_step(x, y)
+    waved.train_step(x, y)  # the wave starts at step 1: its masks are those of steps 1 and 2
+    losses = waved.train_steps([x, x], [y, y])
+    np.testing.assert_allclose(losses, [stepped.train_step(x, y), stepped.train_step(x, y)], atol=1e-6)
+    assert abs(float(losses[0]) - float(losses[1])) > 1e-4  # the steps differ (new weights, new masks)
+    for a, b in zip(waved.variables, stepped.variables, strict=True):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), atol=1e-6)
+
+
+def test_each_step_of_a_wave_starts_after_the_step_before_is_applied(devs, batch):
+    """No Python between the steps, but no stage starts a step on half-updated weights."""
+    x, y = batch
+    pipe = pipeline.Pipeline(mlp_stages(devs[:3]), devs[:3], 2, learning_rate=0.5, schedule="1f1b")
+    graph = pipe._wave.get_concrete_function((x, x), (y, y)).graph
+    counters = [op for op in graph.get_operations() if op.type == "AssignAddVariableOp"]
+    assert len(counters) == 2
+    updates = [op for op in graph.get_operations() if op.type == "AssignSubVariableOp"]
+    assert len(updates) == 2 * len(pipe.variables)
+    # the second step's first op on each stage (its scopes are uniquified: stage{s}/F0_1)
+    for s in range(3):
+        first = graph.get_operation_by_name(f"stage{s}/F0_1/Identity")
+        assert counters[0] in first.control_inputs, f"stage {s} starts step 2 before step 1 is applied"
+
+
+def test_a_failed_wave_keeps_the_steps_before_it_whole(devs, batch):
+    x, y = batch
+    stages = mlp_stages(devs[:3])
+    guarded = [stages[0], models.Sequential([Guard(), stages[1]]), stages[2]]
+    pipe = pipeline.Pipeline(guarded, devs[:3], 4, learning_rate=0.5, schedule="1f1b")
+    single = models.Sequential(mlp_stages())
+    (x0, y0), (x1, y1), (x2, y2) = batches_of(x, y, 16)[:3]
+    with pytest.raises(tf.errors.InvalidArgumentError, match="too large"):
+        pipe.train_steps([x0, 1e4 * x1, x2], [y0, y1, y2])  # step 1 fails on stage 1
+    reference.sgd_step(single, x0, y0, 0.5)
+    assert int(pipe.step) == 1  # the counter says how many steps were applied
+    for v, w in zip(pipe.variables, single.trainable_variables, strict=True):
+        np.testing.assert_allclose(v.numpy(), w.numpy(), atol=1e-6)  # step 0 in every stage, nothing of step 1
+
+
+def test_a_wave_refuses_mismatched_or_empty_batches(devs, batch):
+    x, y = batch
+    pipe = pipeline.Pipeline(mlp_stages(devs[:3]), devs[:3], 4, learning_rate=0.5)
+    with pytest.raises(ValueError, match="2 input batches and 1 label batches"):
+        pipe.train_steps([x, x], [y])
+    with pytest.raises(ValueError, match="at least one"):
+        pipe.train_steps([], [])
+    with pytest.raises(ValueError, match="does not split into 4 equal micro-batches"):
+        pipe.train_steps([x, x[:10]], [y, y[:10]])
+
+
 def test_a_sum_reduced_or_unreduced_loss_is_refused(devs, batch):
     x, y = batch
 

@@ -5,8 +5,9 @@ of the gap to the ideal speedup, and the same model data-parallel on the same de
 stages do equal work (`balanced_stages`), every batch resident where it is used:
 
 - the naive split, GPipe and 1F1B at M micro-batches and at M = 1, 2, 4 (the bubble, read
-  from traced steps, against (S-1)/(M+S-1)), GPipe with recomputation, and fed from this
-  process with and without `StagedInput`;
+  from traced steps, against (S-1)/(M+S-1)), GPipe with recomputation, fed from this
+  process with and without `StagedInput`, and 1F1B steps a call each against a wave of
+  steps in one call (`Pipeline.train_steps`);
 - "data parallel, ring": each device a full replica on its half of the batch, gradients
   averaged by ring all-reduce (`data_parallel_step`);
 - the parts of the gap (`gap_parts`): each stage alone on its device (the whole batch, then
@@ -326,8 +327,10 @@ def _busy_between(events, device, start, end) -> float:
 
 def _schedule_variants(stages, pair, x, y, M, steps) -> dict:
     """The timed variants: the naive split, GPipe and 1F1B at M, GPipe at 1, 2, 4, 1F1B at 2, 4
-    (at M = 1 it is GPipe), GPipe with recomputation, and `steps` batches fed from this process
-    with and without `StagedInput`. And the plain pipelines by name, for `idle_shares`."""
+    (at M = 1 it is GPipe), GPipe with recomputation, `steps` batches fed from this process
+    with and without `StagedInput`, and `steps` 1F1B steps on resident batches, a call each or
+    all in one call (`Pipeline.train_steps`, a wave). And the plain pipelines by name, for
+    `idle_shares`."""
     import tensorflow as tf
 
     from . import pipeline
@@ -351,6 +354,16 @@ def _schedule_variants(stages, pair, x, y, M, steps) -> dict:
     }
     for name, fn in feeds.items():
         variants[name] = (fn, {**info, "steps": steps})
+    waved = pipeline.Pipeline(stages, pair, M, learning_rate=0.0, schedule="1f1b")
+    info = {"schedule": "1f1b", "micro_batches": M, "steps": steps}
+    variants[f"1f1b, M={M}, {steps} steps, a call each"] = (
+        lambda x, y: [waved.train_step(x, y) for _ in range(steps)],
+        info,
+    )
+    variants[f"1f1b, M={M}, {steps} steps, one wave"] = (
+        lambda x, y: waved.train_steps([x] * steps, [y] * steps),
+        {**info, "wave": True},
+    )
     return variants, pipes
 
 

@@ -24,6 +24,10 @@ memory. A step has no state outside its call: gradients are summed inside the gr
 the update runs only after every gradient of every stage exists, so an interrupted or
 failed step leaves the weights as they were.
 
+`train_steps(xs, ys)` runs a wave: K steps in one call, each step's first ops waiting for
+the step before to be applied, so no call separates them. It saves the call, not the bubble:
+synchronous SGD drains the pipeline at every update.
+
 `stash_bound(orders)` gives the most micro-batches a stage keeps, from its order;
 `stash_from_trace(events, S)` reads the same from a profiler trace of a step (op names
 carry `stage{s}/F{m}` and `B{m}`). `Dropout` draws its mask from (seed, step, micro-batch),
@@ -151,13 +155,31 @@ class Pipeline:
         self._checked = None  # (shape, dtype) of the batches the stages were checked with
         with tf.init_scope(), tf.device(self.devices[0]):  # the step number seeds dropout masks
             self.step = tf.Variable(0, dtype=tf.int64, trainable=False, name="pipeline_step")
-        self._train = tf.function(lambda x, y: self._step(x, y, apply=True)[0], autograph=False)
-        self._gradients = tf.function(lambda x, y: self._step(x, y, apply=False), autograph=False)
+        self._train = tf.function(lambda x, y: self._train_steps([x], [y])[0], autograph=False)
+        self._wave = tf.function(lambda xs, ys: tf.stack(self._train_steps(xs, ys)), autograph=False)
+        self._gradients = tf.function(self._gradients_graph, autograph=False)
 
     def train_step(self, x, y):
         """One pipelined SGD step as one `tf.function` call; returns the batch's mean loss."""
         x, y = self._checked_batch(x, y)
         return self._train(x, y)
+
+    def train_steps(self, xs, ys):
+        """A wave: one SGD step per batch (xs[k], ys[k]), all in ONE `tf.function` call; returns
+        the K losses. Stage s starts step k+1 as soon as it has applied its own update of step k,
+        with no barrier between the steps; the result equals K calls of `train_step`.
+
+        Each wave size K is its own graph (K steps unrolled). If a step fails, the steps before
+        it stay applied: `pipeline.step` counts the steps applied so far.
+        """
+        xs, ys = list(xs), list(ys)
+        if len(xs) != len(ys) or not xs:
+            raise ValueError(
+                f"train_steps needs at least one batch, and as many label batches as input batches: got "
+                f"{len(xs)} input batches and {len(ys)} label batches."
+            )
+        pairs = [self._checked_batch(x, y) for x, y in zip(xs, ys, strict=True)]
+        return self._wave(tuple(x for x, _ in pairs), tuple(y for _, y in pairs))
 
     def gradients(self, x, y):
         """(loss, gradients of every stage's variables, in order), without an update."""
@@ -168,15 +190,33 @@ class Pipeline:
     def variables(self):
         return [v for stage in self.stages for v in stage.trainable_variables]
 
-    def _step(self, x, y, apply: bool):
-        """The unrolled schedule: every op on its stage's device, chained in its stage's order."""
+    def _train_steps(self, xs, ys):
+        """Steps one after another in one graph; the losses. A step's first ops wait for the step
+        before to be applied (its counter update), not for this process: no call in between."""
+        with tf.device(self.devices[0]):
+            first = self.step.read_value()
+        applied, losses = [], []
+        for k, (x, y) in enumerate(zip(xs, ys, strict=True)):
+            loss, grads = self._step(x, y, first + k, [applied] * len(self.stages))
+            applied = [self._update(grads)]
+            losses.append(loss)
+        return losses
+
+    def _gradients_graph(self, x, y):
+        with tf.device(self.devices[0]):
+            step = self.step.read_value()
+        loss, grads = self._step(x, y, step, [[] for _ in self.stages])
+        return loss, [g for per_stage in grads for g in per_stage]
+
+    def _step(self, x, y, step, after):
+        """The unrolled schedule of one step: every op on its stage's device, chained in its
+        stage's order; stage s's first op waits for `after[s]`. (loss, gradients per stage)."""
         M, S = self.micro_batches, len(self.stages)
         with tf.device(self.devices[0]):
             inputs = dict(enumerate(tf.split(x, M)))  # micro-batch m's input to the current stage
-            step = self.step.read_value()
         with tf.device(self.devices[-1]):
             labels = tf.split(y, M)
-        last_op = [[] for _ in range(S)]  # each stage's latest outputs: its next op waits for them
+        last_op = [list(ops) for ops in after]  # each stage's latest outputs: its next op waits for them
         kept, upstream, grads, losses = {}, {}, [[] for _ in range(S)], []
         for s, op, m in self.plan:
             with tf.device(self.devices[s]), tf.name_scope(f"stage{s}/{op}{m}"), micro_batch(step, m):
@@ -197,7 +237,8 @@ class Pipeline:
                         if s:
                             upstream[s - 1, m] = g_in
                         last_op[s] = [g_in, *g_vars] if s else list(g_vars)
-        return self._finish(grads, losses, apply)
+        with tf.device(self.devices[-1]):
+            return tf.add_n(losses) / M, grads
 
     def _forward(self, s, h, labels):
         """(what the backward needs, the output): the tape, or only the input to recompute from."""
@@ -230,20 +271,17 @@ class Pipeline:
         g = tape.gradient(out, [h, *variables], output_gradients=upstream)
         return g[0], g[1:]
 
-    def _finish(self, grads, losses, apply: bool):
-        """Sum each stage's gradients on its device; update only once every gradient exists."""
-        totals = [g for per_stage in grads for g in per_stage]
-        with tf.device(self.devices[-1]):
-            loss = tf.add_n(losses) / self.micro_batches
-        if apply:
-            updates = []
-            with tf.control_dependencies(totals):  # all or nothing: no stage updates alone
-                for v, g in zip(self.variables, totals, strict=True):
-                    with tf.device(v.device), tf.name_scope("update"):
-                        updates.append(v.assign_sub(self.learning_rate * g))
-            with tf.control_dependencies(updates):  # the step's last op: its number moves on when it is done
-                self.step.assign_add(1)
-        return loss, totals
+    def _update(self, grads):
+        """SGD on each stage's device once every gradient of the step exists, then the step
+        counter: all or nothing, no stage updates alone. Returns the counter's update, the
+        step's last op."""
+        updates = []
+        with tf.control_dependencies([g for per_stage in grads for g in per_stage]):
+            for v, g in zip(self.variables, [g for per_stage in grads for g in per_stage], strict=True):
+                with tf.device(v.device), tf.name_scope("update"):
+                    updates.append(v.assign_sub(self.learning_rate * g))
+        with tf.control_dependencies(updates), tf.device(self.devices[0]):
+            return self.step.assign_add(1)  # it counts the steps applied
 
     # --- checks, made once on the first batch: clear errors instead of TensorFlow's --------
 
@@ -427,7 +465,7 @@ class StagedInput:
         area = self._area()
         with tf.device(self.device):
             x, y = area.get()
-        loss = self.pipeline._step(x, y, apply=True)[0]
+        loss = self.pipeline._train_steps([x], [y])[0]
         if x_next is not None:  # created last: nothing in the step waits for the next batch
             area.put([x_next, y_next])
         return loss
