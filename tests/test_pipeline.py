@@ -48,6 +48,22 @@ def test_bubble_fraction():
             pipeline.schedule(2, bad)
 
 
+def test_simulate_gives_the_formula_for_equal_stages_and_more_for_gpipe_with_unequal_phases():
+    for S, M in ((2, 1), (2, 8), (3, 4), (4, 6)):
+        for kind in ("gpipe", "1f1b"):
+            idle = pipeline.simulate(pipeline.schedule(S, M, kind), 1.0, 2.0)
+            assert idle == pytest.approx([pipeline.bubble_fraction(S, M)] * S)
+    # notebook 05's MLP: stage 0 does 3.5 forward and 5.5 backward products, stage 1 does 3 and 6
+    for M, gpipe in ((2, 0.345), (4, 0.226), (8, 0.148)):
+        assert np.mean(pipeline.simulate(pipeline.schedule(2, M, "gpipe"), [3.5, 3.0], [5.5, 6.0])) == pytest.approx(
+            gpipe, abs=1e-3
+        )
+        one_f_one_b = pipeline.simulate(pipeline.schedule(2, M, "1f1b"), [3.5, 3.0], [5.5, 6.0])
+        assert np.mean(one_f_one_b) == pytest.approx(pipeline.bubble_fraction(2, M))
+    with pytest.raises(ValueError, match="one forward and one backward time per stage"):
+        pipeline.simulate(pipeline.schedule(2, 2), [1.0], 2.0)
+
+
 def test_two_stage_orders():
     F, B = "F", "B"
     assert pipeline.schedule(2, 3, "gpipe") == [[(F, 0), (F, 1), (F, 2), (B, 0), (B, 1), (B, 2)]] * 2
@@ -460,16 +476,16 @@ def test_bench_rows_compare_with_the_naive_split(devs):
     lines = bench.summary(rows)
     schedules = ["gpipe, M=4", "1f1b, M=4"]
     assert [line.split(":")[0] for line in lines] == [
-        f"pipeline {v}" for v in [*schedules, "data parallel, ring", *schedules]
+        f"pipeline {v}"
+        for v in [schedules[0], schedules[0], schedules[1], schedules[1], "data parallel, ring", *schedules]
     ]
+    assert "bubble" in lines[1] and "schedule" in lines[1] and "inside ops" in lines[1] and "rest" in lines[1]
     memory = {r["variant"]: r for r in rows if r["case"] == "pipeline memory"}
     rows = [r for r in rows if r["case"] != "pipeline memory"]
     by_name = {r["variant"]: r for r in rows}
     assert list(by_name)[:3] == ["naive split", "gpipe, M=4", "1f1b, M=4"]
     assert {"gpipe, M=1", "gpipe, M=2", "gpipe, M=4, recompute", "gpipe, M=4, 2 steps, StagedInput"} <= set(by_name)
-    assert {"data parallel, ring", "stage 0 alone, M=1", "stage 1 alone, M=4", "one micro-batch transfer"} <= set(
-        by_name
-    )
+    assert {"data parallel, ring", "stage 0 alone, M=1", "stage 1 alone, M=4"} <= set(by_name)
     assert all(r["case"] == "pipeline" and r["ms"] > 0 for r in rows)
     assert by_name["naive split"]["speedup_vs_naive"] == 1
     assert all(by_name[v]["controller_cores"] >= 0 for v in ("naive split", "1f1b, M=4", "data parallel, ring"))
@@ -481,6 +497,11 @@ def test_bench_rows_compare_with_the_naive_split(devs):
         idle = by_name[name]["idle_per_stage"]  # read from traced steps
         assert len(idle) == 2 and all(0 < share < 1 for share in idle)
         assert by_name[name]["bubble_measured"] == min(idle) and by_name[name]["start_skew_ms"] >= 0
+        parts = by_name[name]["bubble_parts"]  # measured parts of the pacing stage's idle share
+        assert sum(parts.values()) == pytest.approx(min(idle))
+        assert all(t > 0 for op in "FB" for t in by_name[name]["op_ms"][op])
+        assert all(0 <= share < 1 for share in by_name[name]["idle_in_schedule"] + by_name[name]["idle_inside_ops"])
+        assert by_name[name]["busy_ms"] == pytest.approx(by_name[name]["traced_ms"] * (1 - min(idle)))
     assert "bubble_measured" not in by_name["gpipe, M=4, recompute"]
     pipe = pipeline.Pipeline(bench_pipeline.balanced_stages(devs[:2], 16), devs[:2], 2, learning_rate=0.0)
     with pytest.raises(ValueError, match="steps must be a whole number >= 1, got 0"):
@@ -488,7 +509,7 @@ def test_bench_rows_compare_with_the_naive_split(devs):
     gap = bench.gap_parts(rows, "1f1b, M=4")
     assert gap["gap_ms"] == pytest.approx(gap["measured_ms"] - by_name["naive split"]["ms"] * 5 / 8)
     parts = [v for k, v in gap.items() if k not in ("measured_ms", "ideal_ms", "gap_ms")]
-    assert len(parts) == 6 and sum(parts) == pytest.approx(gap["gap_ms"])
+    assert len(parts) == 8 and sum(parts) == pytest.approx(gap["gap_ms"])
     assert list(memory) == ["sequential, M=4", "gpipe, M=4", "1f1b, M=4", "gpipe, M=4, recompute"]
     for r in memory.values():
         assert r["stash_measured"] == r["stash_bound"]  # read from the traced run
@@ -507,31 +528,37 @@ def test_gap_parts_from_known_times():
     def r(variant, ms, **info):
         return {"variant": variant, "ms": ms, **info}
 
+    parts = {"schedule": 0.25, "inside ops": 0.05, "rest": 0.1}  # the pacing stage idles 40 % of 160 ms
+    traced = r("1f1b, M=4", 150.0, micro_batches=4, busy_ms=96.0, bubble_measured=0.4, bubble_parts=parts)
     rows = [
         r("naive split", 200.0),
-        r("1f1b, M=4", 150.0, micro_batches=4),
+        traced,
+        r("1f1b, M=4, recompute", 170.0, micro_batches=4),
         r("stage 0 alone, M=1", 90.0, part="stage alone", stage=0, m=1),
         r("stage 1 alone, M=1", 90.0, part="stage alone", stage=1, m=1),
         r("stage 0 alone, M=4", 94.0, part="stage alone", stage=0, m=4),
         r("stage 1 alone, M=4", 98.0, part="stage alone", stage=1, m=4),
-        r("at once", 104.0, part="at once"),
-        r("transfer", 3.0, part="transfer"),
     ]
     with pytest.raises(ValueError, match="timed alone at M = \\[1, 4\\], not at 2"):
         bench.gap_parts([*rows, r("gpipe, M=2", 160.0, micro_batches=2)], "gpipe, M=2")
+    with pytest.raises(ValueError, match="has no traced steps"):
+        bench.gap_parts(rows, "1f1b, M=4, recompute")
     gap = bench.gap_parts(rows, "1f1b, M=4")
-    fill = 5 / 4
+    fill = 5 / 4  # 1 / (1 - the formula's 0.2)
     assert gap["ideal_ms"] == pytest.approx(200 * fill / 2)
     assert list(gap.values())[3:] == pytest.approx(
         [
             (180 - 200) * fill / 2,  # the naive split's 20 ms of transfers and call
             (192 - 180) * fill / 2,  # micro-batching
             98 * fill - 192 * fill / 2,  # the slower stage sets the pace
-            (104 - 98) * fill,  # both at once
-            2 * 3.0,  # fill and drain transfers
-            150 - (104 * fill + 6),  # residual
+            (96 - 98) * fill,  # both at once: here the pacing stage ran faster than alone
+            96 / 0.75 - 96 * fill,  # the schedule's 25 % idle, not the formula's 20 %
+            96 / 0.7 - 96 / 0.75,  # gaps inside ops
+            96 / 0.6 - 96 / 0.7,  # hand-offs and the rest: the traced step is 160 ms
+            150 - 160,  # residual: the timed step was shorter than the traced one
         ]
     )
+    assert sum(list(gap.values())[3:]) == pytest.approx(gap["gap_ms"])
 
 
 def test_each_stage_alone_does_the_products_it_does_in_the_pipeline(devs):

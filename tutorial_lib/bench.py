@@ -230,6 +230,8 @@ CASES = {
 
 
 def _note(key, value) -> str:
+    if isinstance(value, dict):
+        return f"{key} {{{', '.join(_note(k, v) for k, v in value.items())}}}"
     if isinstance(value, float):
         return f"{key} {value:.3g}"
     if isinstance(value, list):
@@ -285,6 +287,11 @@ def _pipeline_summary(rows) -> list[str]:
                 f"pipeline {variant}: {r['speedup_vs_naive']:.2f}x the naive split "
                 f"(range {low:.2f}-{high:.2f}, {r['speedup_vs_naive_verdict']})"
             )
+            if "bubble_parts" in r:
+                parts = ", ".join(f"{k} {v:.3f}" for k, v in r["bubble_parts"].items())
+                lines.append(
+                    f"pipeline {variant}: bubble {r['bubble_measured']:.3f} (formula {r['bubble_theory']:.3f}): {parts}"
+                )
     if any(r.get("part") == "stage alone" and r["m"] == m for r in rows):
         for variant in schedules:
             gap = gap_parts(rows, variant)

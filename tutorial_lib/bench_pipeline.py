@@ -10,9 +10,8 @@ stages do equal work (`balanced_stages`), every batch resident where it is used:
   steps in one call (`Pipeline.train_steps`);
 - "data parallel, ring": each device a full replica on its half of the batch, gradients
   averaged by ring all-reduce (`data_parallel_step`);
-- the parts of the gap (`gap_parts`): each stage alone on its device (the whole batch, then
-  M micro-batches), both stages at once with the pipeline's transfers but no waits, and
-  one micro-batch's transfer between the devices.
+- for the parts of the gap (`gap_parts`): each stage alone on its device (the whole batch,
+  then M micro-batches); the rest of the parts come from the traced steps.
 
 `memory_rows(devs)` reads each schedule's stash from a profiler trace of a step and turns
 it into bytes of kept activations.
@@ -114,8 +113,8 @@ def data_parallel_step(replicas, devs, learning_rate):
 def _stage_work(stages, s, micro_batches):
     """Stage s's forwards and backwards of M micro-batches, alone on its device, as the pipeline
     runs them (an input gradient except on the first stage), without waiting for any other stage.
-    A function of (stage input, upstream gradient or labels) returning a checksum and, for the
-    transfers, the outputs and input gradients of each micro-batch."""
+    A function of (stage input, upstream gradient or labels) returning a checksum, the outputs
+    and the input gradients of each micro-batch."""
     import tensorflow as tf
 
     from . import models
@@ -142,12 +141,11 @@ def _stage_work(stages, s, micro_batches):
 
 
 def _gap_variants(stages, devs, inputs, micro_batches):
-    """Timed functions for `gap_parts`: each stage alone (M = 1 and M), both at once with the
-    pipeline's transfers, and one micro-batch's transfer from the first device to the second."""
+    """Timed functions for `gap_parts`: each stage alone on its device, at M = 1 and at M."""
     import tensorflow as tf
 
-    S, variants = len(stages), {}
-    for s in range(S):
+    variants = {}
+    for s in range(len(stages)):
         for m in sorted({1, micro_batches}):
             work = _stage_work(stages, s, m)
 
@@ -156,32 +154,6 @@ def _gap_variants(stages, devs, inputs, micro_batches):
                     return work(*inputs[s])[0]
 
             variants[f"stage {s} alone, M={m}"] = (tf.function(alone), {"part": "stage alone", "stage": s, "m": m})
-    works = [_stage_work(stages, s, micro_batches) for s in range(S)]
-
-    @tf.function
-    def at_once():  # every stage's work at once; each output and input gradient crosses as in the pipeline
-        sums, results = [], []
-        for s, work in enumerate(works):
-            with tf.device(devs[s]):
-                results.append(work(*inputs[s]))
-                sums.append(results[-1][0])
-        for s in range(S - 1):
-            with tf.device(devs[s + 1]):
-                sums += [tf.reduce_sum(out) for out in results[s][1]]
-            with tf.device(devs[s]):
-                sums += [tf.reduce_sum(g) for g in results[s + 1][2]]
-        return sums
-
-    variants[f"stages at once, M={micro_batches}, transfers, no waits"] = (at_once, {"part": "at once"})
-    with tf.device(devs[0]):
-        one = tf.identity(tf.split(inputs[1][0], micro_batches)[0])  # a micro-batch of activations
-
-    @tf.function
-    def transfer():
-        with tf.device(devs[1]):
-            return tf.reduce_sum(one)
-
-    variants["one micro-batch transfer"] = (transfer, {"part": "transfer"})
     return {name: (lambda *_, fn=fn: fn(), info) for name, (fn, info) in variants.items()}
 
 
@@ -190,16 +162,20 @@ def gap_parts(rows, variant: str) -> dict[str, float]:
     measured parts (milliseconds) that add up to it with the residual.
 
     Each part is the change from one model of the step to the next, every model built from
-    times of the same run:
+    measurements of the same run: t_s(m), stage s timed alone on its device at m micro-batches,
+    and the traced steps of `variant` (`idle_shares`), read for the stage that sets the pace:
+    its busy time b per step and the parts of its idle share (`bubble_parts`).
     1. the naive split's transfers and call, which the formula divides among the stages too:
        the ideal with only the stages' compute, Σ_s t_s(1), in place of t_naive;
     2. micro-batching: Σ_s t_s(M) in place of Σ_s t_s(1) (M small products against one);
     3. imbalance: the slowest stage sets the pace, S max_s t_s(M) in place of Σ_s t_s(M);
-    4. both devices at once: the stages' work run together, with the pipeline's transfers
-       but without its waits, in place of the slowest stage alone (shared memory and
-       cores, the transfers' work on each side);
-    5. fill and drain transfers: 2 (S-1) micro-batch transfers that nothing overlaps;
-    and the residual: what no part measures (waits on dependencies, scheduling, the machine).
+    4. both devices at once: b in place of the slowest stage alone (its ops run slower next to
+       the other stage's work and the transfers: shared cores, caches and memory);
+    5. the schedule with this run's op times: its idle share in place of the formula's;
+    6. gaps inside ops: the executor going from one op to the next;
+    7. hand-offs and the rest of the traced step (the updates, waits the schedule does not need);
+    and the residual: the timed step against the traced one (the profiler slows what it
+    records; the call from this process).
     """
     rows = [r for r in rows if r.get("case", "pipeline") == "pipeline"]  # not the memory rows' names
     by = {r["variant"]: r for r in rows}
@@ -210,30 +186,36 @@ def gap_parts(rows, variant: str) -> dict[str, float]:
         raise ValueError(
             f"{variant!r}: the stages were timed alone at M = {sorted({m for _, m in alone})}, not at {M}."
         )
-    fill = (M + S - 1) / M  # the pipeline's length in steps of the slowest stage
+    if "bubble_parts" not in row_:
+        raise ValueError(f"{variant!r} has no traced steps (bubble_parts): only the plain schedules are traced.")
+    fill = (M + S - 1) / M  # the pipeline's length in steps of the slowest stage: 1 / (1 - formula)
     ideal = naive["ms"] * fill / S
+    busy, parts = row_["busy_ms"], row_["bubble_parts"]
     models = [
         ideal,
         sum(alone[s, 1] for s in range(S)) * fill / S,
         sum(alone[s, M] for s in range(S)) * fill / S,
         max(alone[s, M] for s in range(S)) * fill,
-        next(r["ms"] for r in rows if r.get("part") == "at once") * fill,
+        busy * fill,
+        busy / (1 - parts["schedule"]),
+        busy / (1 - parts["schedule"] - parts["inside ops"]),
+        busy / (1 - row_["bubble_measured"]),  # the traced step
     ]
-    models.append(models[-1] + 2 * (S - 1) * next(r["ms"] for r in rows if r.get("part") == "transfer"))
     names = [
         "naive's transfers and call (the formula divides them)",
         "micro-batching (M small products, not one)",
         "imbalance (the slowest stage sets the pace)",
-        "both devices at once (shared cores and memory, transfers' work)",
-        "fill and drain transfers",
+        "both devices at once (ops slowed by the other stage and the transfers)",
+        "the schedule with this run's op times, not the formula's",
+        "gaps inside ops (the executor between two ops)",
+        "hand-offs and the rest of the traced step",
     ]
-    parts = {name: b - a for name, a, b in zip(names, models[:-1], models[1:], strict=True)}
     return {
         "measured_ms": row_["ms"],
         "ideal_ms": ideal,
         "gap_ms": row_["ms"] - ideal,
-        **parts,
-        "residual (waits, scheduling, the machine)": row_["ms"] - models[-1],
+        **{name: b - a for name, a, b in zip(names, models[:-1], models[1:], strict=True)},
+        "residual (the timed step against the traced one)": row_["ms"] - models[-1],
     }
 
 
@@ -257,7 +239,9 @@ def pipeline_vs_naive(
     `start_skew_ms`, how long after the step's earliest op the first stage started), and
     `bubble_measured`, the least of them: the idle share of the stage that sets the pace (the
     formula assumes equal stages; a faster stage also waits for the slower one, which is
-    imbalance, not the schedule's bubble). `bubble_from_times`, 1 - t_naive / (S t), reads it
+    imbalance, not the schedule's bubble), and `bubble_parts`, its measured parts: the
+    schedule's own idle share with this run's op times, the executor's gaps inside ops, and
+    the rest (hand-offs, the call, the updates). `bubble_from_times`, 1 - t_naive / (S t), reads it
     from the times instead, as if the naive split were S stages' work one after the other: it
     also counts what slows the two devices down together and the naive split's own overlaps.
     """
@@ -280,7 +264,14 @@ def pipeline_vs_naive(
     for r in rows:  # after the timed rounds: a traced step is slower, and would disturb them
         if r["variant"] in pipes:
             r.update(idle_shares(pipes[r["variant"]], *resident, steps=traced_steps))
-            r["bubble_measured"] = min(r["idle_per_stage"])  # the stage that sets the pace
+            pace = min(range(len(pair)), key=lambda s: r["idle_per_stage"][s])  # the stage that sets the pace
+            r["bubble_measured"], r["busy_ms"] = r["idle_per_stage"][pace], r["busy_ms_per_stage"][pace]
+            schedule, inside = r["idle_in_schedule"][pace], r["idle_inside_ops"][pace]
+            r["bubble_parts"] = {
+                "schedule": schedule,
+                "inside ops": inside,
+                "rest": r["bubble_measured"] - schedule - inside,
+            }
     return rows + (memory_rows(devs, width, batch, M) if memory else [])
 
 
@@ -290,14 +281,23 @@ def idle_shares(pipe, x, y, steps=3) -> dict:
     started after the earliest op of the step (`start_skew_ms`), averaged over the steps.
 
     A step lasts from the first stage's first op, which starts the pipeline, to the step
-    counter's update, its last op. A later stage that starts first (reading its weights,
+    counter's update, its last op (`traced_ms`; `busy_ms_per_stage`, the time each stage ran
+    an op). A later stage that starts first (reading its weights,
     splitting its labels) waits for this process to start the first stage: a cost of the call,
     `start_skew_ms`, not of the schedule. The trace holds one step more, first, which is not
     read: a profiler slows the first step it records. Waiting for another stage counts as idle;
     an op that the other device slows down counts as busy, so what slows ops down (smaller
     products, two devices at once) shows in the times (`bubble_from_times`), not here.
+
+    The idle share splits into measured parts, per stage: `idle_in_schedule`, the schedule's
+    own idle share if each forward and backward took this run's median time on its stage
+    (`op_ms`, first op to last, reads of weights left out) and nothing else cost anything
+    (`pipeline.simulate`); `idle_inside_ops`, the share during which a forward or backward had
+    begun and not ended but none of its stage's ops ran (the executor going from one op to the
+    next); the rest is waiting between ops beyond what the schedule needs (hand-offs of
+    outputs and gradients, the call, the updates).
     """
-    from . import timeline
+    from . import pipeline, timeline
 
     steps = checks.whole_number(steps, "steps")  # before anything is traced
     concrete = [pipe._train.get_concrete_function(x, y)]
@@ -305,16 +305,51 @@ def idle_shares(pipe, x, y, steps=3) -> dict:
     ends = sorted(e.end for e in events if e.type == "AssignAddVariableOp")  # one per step
     if len(ends) != steps + 1:
         raise RuntimeError(f"expected {steps + 1} step counter updates in the trace, found {len(ends)}.")
-    shares, skews = [], []
+    shares, skews, inside, durations, windows = [], [], [], {}, []
     for before, end in itertools.pairwise(ends):
         firsts = [min(e.start for e in events if e.device == d and e.start > before) for d in pipe.devices]
         start = firsts[0]  # the first stage starts the pipeline
         skews.append(start - min(firsts))
+        windows.append(end - start)
         shares.append([1 - _busy_between(events, d, start, end) / (end - start) for d in pipe.devices])
+        blocks = _op_spans([e for e in events if start <= e.start <= end], pipe.devices)
+        for (s, op, _), (a, b) in blocks.items():
+            durations.setdefault((s, op), []).append(b - a)
+        inside.append(
+            [
+                sum(b - a - _busy_between(events, d, a, b) for (stage, _, _), (a, b) in blocks.items() if stage == s)
+                / (end - start)
+                for s, d in enumerate(pipe.devices)
+            ]
+        )
+    op_ms = {op: [statistics.median(durations[s, op]) for s in range(len(pipe.devices))] for op in "FB"}
+    idle = [statistics.fmean(per_step) for per_step in zip(*shares, strict=True)]
+    traced_ms = statistics.fmean(windows)
     return {
-        "idle_per_stage": [statistics.fmean(per_step) for per_step in zip(*shares, strict=True)],
+        "idle_per_stage": idle,
         "start_skew_ms": statistics.fmean(skews),
+        "traced_ms": traced_ms,
+        "busy_ms_per_stage": [traced_ms * (1 - share) for share in idle],
+        "op_ms": op_ms,
+        "idle_in_schedule": pipeline.simulate(pipe.orders, op_ms["F"], op_ms["B"]),
+        "idle_inside_ops": [statistics.fmean(per_step) for per_step in zip(*inside, strict=True)],
     }
+
+
+def _op_spans(events, devices) -> dict:
+    """{(stage, "F" or "B", m): (start, end)} of each forward and backward in `events` (one
+    step), from the first to the last of its ops on its stage's device. Reads of weights are
+    left out: they run as soon as the op's turn comes, before its input has arrived."""
+    from . import pipeline
+
+    spans = {}
+    for e in events:
+        found = pipeline._OP_NAME.match(e.op)
+        if found and e.type != "ReadVariableOp" and e.device == devices[int(found["stage"])]:
+            key = (int(found["stage"]), "B" if found["tape"] or found["op"] == "B" else "F", int(found["m"]))
+            a, b = spans.get(key, (e.start, e.end))
+            spans[key] = (min(a, e.start), max(b, e.end))
+    return spans
 
 
 def _busy_between(events, device, start, end) -> float:

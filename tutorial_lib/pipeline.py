@@ -123,6 +123,27 @@ def unroll(orders) -> list[tuple[int, str, int]]:
     return plan
 
 
+def simulate(orders, t_forward, t_backward) -> list[float]:
+    """Each stage's idle share of a step in which every op starts as soon as its inputs and its
+    stage are free and takes its stage's time: `t_forward` and `t_backward` are one time for
+    every stage or a list of one per stage. The schedule's own bubble, with no cost to hand an
+    output over and none between ops (notebook 05's `simulated_bubble` is the mean over stages)."""
+    S = len(orders)
+    t_f = list(t_forward) if isinstance(t_forward, list | tuple) else [t_forward] * S
+    t_b = list(t_backward) if isinstance(t_backward, list | tuple) else [t_backward] * S
+    if len(t_f) != S or len(t_b) != S:
+        raise ValueError(f"need one forward and one backward time per stage ({S}), got {len(t_f)} and {len(t_b)}.")
+    end, free, busy = {}, [0.0] * S, [0.0] * S
+    for s, op, m in unroll(orders):
+        if op == "F":
+            ready, took = end.get((s - 1, "F", m), 0.0), t_f[s]
+        else:
+            ready, took = max(end[s, "F", m], end.get((s + 1, "B", m), 0.0)), t_b[s]
+        end[s, op, m] = free[s] = max(free[s], ready) + took
+        busy[s] += took
+    return [1 - b / max(free) for b in busy]
+
+
 # --- the step --------------------------------------------------------------------------------
 
 
