@@ -51,17 +51,17 @@ def test_bubble_fraction():
 def test_simulate_gives_the_formula_for_equal_stages_and_more_for_gpipe_with_unequal_phases():
     for S, M in ((2, 1), (2, 8), (3, 4), (4, 6)):
         for kind in ("gpipe", "1f1b"):
-            idle = pipeline.simulate(pipeline.schedule(S, M, kind), 1.0, 2.0)
+            idle = pipeline.simulated_idle(pipeline.schedule(S, M, kind), 1.0, 2.0)
             assert idle == pytest.approx([pipeline.bubble_fraction(S, M)] * S)
     # notebook 05's MLP: stage 0 does 3.5 forward and 5.5 backward products, stage 1 does 3 and 6
     for M, gpipe in ((2, 0.345), (4, 0.226), (8, 0.148)):
-        assert np.mean(pipeline.simulate(pipeline.schedule(2, M, "gpipe"), [3.5, 3.0], [5.5, 6.0])) == pytest.approx(
-            gpipe, abs=1e-3
-        )
-        one_f_one_b = pipeline.simulate(pipeline.schedule(2, M, "1f1b"), [3.5, 3.0], [5.5, 6.0])
+        assert np.mean(
+            pipeline.simulated_idle(pipeline.schedule(2, M, "gpipe"), [3.5, 3.0], [5.5, 6.0])
+        ) == pytest.approx(gpipe, abs=1e-3)
+        one_f_one_b = pipeline.simulated_idle(pipeline.schedule(2, M, "1f1b"), [3.5, 3.0], [5.5, 6.0])
         assert np.mean(one_f_one_b) == pytest.approx(pipeline.bubble_fraction(2, M))
     with pytest.raises(ValueError, match="one forward and one backward time per stage"):
-        pipeline.simulate(pipeline.schedule(2, 2), [1.0], 2.0)
+        pipeline.simulated_idle(pipeline.schedule(2, 2), [1.0], 2.0)
 
 
 def test_two_stage_orders():
@@ -282,7 +282,7 @@ def test_a_wave_draws_the_dropout_masks_of_its_steps(devs, batch):
     waved.train_step(x, y)  # the wave starts at step 1: its masks are those of steps 1 and 2
     losses = waved.train_steps([x, x], [y, y])
     np.testing.assert_allclose(losses, [stepped.train_step(x, y), stepped.train_step(x, y)], atol=1e-6)
-    assert abs(float(losses[0]) - float(losses[1])) > 1e-4  # the steps differ (new weights, new masks)
+    assert abs(float(losses[0]) - float(losses[1])) > 1e-4  # two different steps, not one step twice
     for a, b in zip(waved.variables, stepped.variables, strict=True):
         np.testing.assert_allclose(a.numpy(), b.numpy(), atol=1e-6)
 
@@ -324,6 +324,8 @@ def test_a_wave_refuses_mismatched_or_empty_batches(devs, batch):
         pipe.train_steps([x, x], [y])
     with pytest.raises(ValueError, match="at least one"):
         pipe.train_steps([], [])
+    with pytest.raises(TypeError, match="a list of input batches and a list of label batches, not one tensor"):
+        pipe.train_steps(x, y)  # one batch, not a list of them: its rows would be taken as batches
     with pytest.raises(ValueError, match="does not split into 4 equal micro-batches"):
         pipe.train_steps([x, x[:10]], [y, y[:10]])
 
@@ -502,6 +504,7 @@ def test_bench_rows_compare_with_the_naive_split(devs):
         assert all(t > 0 for op in "FB" for t in by_name[name]["op_ms"][op])
         assert all(0 <= share < 1 for share in by_name[name]["idle_in_schedule"] + by_name[name]["idle_inside_ops"])
         assert by_name[name]["busy_ms"] == pytest.approx(by_name[name]["traced_ms"] * (1 - min(idle)))
+        assert by_name[name]["between_steps_ms"] >= 0
     assert "bubble_measured" not in by_name["gpipe, M=4, recompute"]
     pipe = pipeline.Pipeline(bench_pipeline.balanced_stages(devs[:2], 16), devs[:2], 2, learning_rate=0.0)
     with pytest.raises(ValueError, match="steps must be a whole number >= 1, got 0"):
@@ -509,7 +512,7 @@ def test_bench_rows_compare_with_the_naive_split(devs):
     gap = bench.gap_parts(rows, "1f1b, M=4")
     assert gap["gap_ms"] == pytest.approx(gap["measured_ms"] - by_name["naive split"]["ms"] * 5 / 8)
     parts = [v for k, v in gap.items() if k not in ("measured_ms", "ideal_ms", "gap_ms")]
-    assert len(parts) == 8 and sum(parts) == pytest.approx(gap["gap_ms"])
+    assert len(parts) == 7 and sum(parts) == pytest.approx(gap["gap_ms"])
     assert list(memory) == ["sequential, M=4", "gpipe, M=4", "1f1b, M=4", "gpipe, M=4, recompute"]
     for r in memory.values():
         assert r["stash_measured"] == r["stash_bound"]  # read from the traced run
@@ -526,13 +529,12 @@ def test_gap_parts_from_known_times():
     from tutorial_lib import bench
 
     def r(variant, ms, **info):
-        return {"variant": variant, "ms": ms, **info}
+        return {"variant": variant, "ms": ms, "devices": 2, **info}
 
-    parts = {"schedule": 0.25, "inside ops": 0.05, "rest": 0.1}  # the pacing stage idles 40 % of 160 ms
-    traced = r("1f1b, M=4", 150.0, micro_batches=4, busy_ms=96.0, bubble_measured=0.4, bubble_parts=parts)
+    parts = {"schedule": 0.25, "inside ops": 0.05, "rest": 0.1}  # the pacing stage idles 40 % of the step
     rows = [
         r("naive split", 200.0),
-        traced,
+        r("1f1b, M=4", 150.0, micro_batches=4, bubble_measured=0.4, bubble_parts=parts),
         r("1f1b, M=4, recompute", 170.0, micro_batches=4),
         r("stage 0 alone, M=1", 90.0, part="stage alone", stage=0, m=1),
         r("stage 1 alone, M=1", 90.0, part="stage alone", stage=1, m=1),
@@ -543,19 +545,22 @@ def test_gap_parts_from_known_times():
         bench.gap_parts([*rows, r("gpipe, M=2", 160.0, micro_batches=2)], "gpipe, M=2")
     with pytest.raises(ValueError, match="has no traced steps"):
         bench.gap_parts(rows, "1f1b, M=4, recompute")
+    idle = r("gpipe, M=4", 150.0, micro_batches=4, bubble_measured=1.0, bubble_parts=parts)
+    with pytest.raises(ValueError, match="no busy time to split"):
+        bench.gap_parts([*rows, idle], "gpipe, M=4")
     gap = bench.gap_parts(rows, "1f1b, M=4")
     fill = 5 / 4  # 1 / (1 - the formula's 0.2)
+    busy = 150 * 0.6  # the pacing stage's busy share of the timed step
     assert gap["ideal_ms"] == pytest.approx(200 * fill / 2)
     assert list(gap.values())[3:] == pytest.approx(
         [
             (180 - 200) * fill / 2,  # the naive split's 20 ms of transfers and call
             (192 - 180) * fill / 2,  # micro-batching
             98 * fill - 192 * fill / 2,  # the slower stage sets the pace
-            (96 - 98) * fill,  # both at once: here the pacing stage ran faster than alone
-            96 / 0.75 - 96 * fill,  # the schedule's 25 % idle, not the formula's 20 %
-            96 / 0.7 - 96 / 0.75,  # gaps inside ops
-            96 / 0.6 - 96 / 0.7,  # hand-offs and the rest: the traced step is 160 ms
-            150 - 160,  # residual: the timed step was shorter than the traced one
+            (busy - 98) * fill,  # both at once: here the pacing stage ran faster than alone
+            busy / 0.75 - busy * fill,  # the schedule's 25 % idle, not the formula's 20 %
+            busy / 0.7 - busy / 0.75,  # gaps inside ops
+            150 - busy / 0.7,  # the rest of the idle share: the model is now the timed step
         ]
     )
     assert sum(list(gap.values())[3:]) == pytest.approx(gap["gap_ms"])

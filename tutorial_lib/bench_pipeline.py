@@ -159,12 +159,14 @@ def _gap_variants(stages, devs, inputs, micro_batches):
 
 def gap_parts(rows, variant: str) -> dict[str, float]:
     """The gap between `variant`'s step time and the formula's, t_naive (M+S-1)/(S M), in
-    measured parts (milliseconds) that add up to it with the residual.
+    measured parts (milliseconds) that add up to it.
 
     Each part is the change from one model of the step to the next, every model built from
     measurements of the same run: t_s(m), stage s timed alone on its device at m micro-batches,
     and the traced steps of `variant` (`idle_shares`), read for the stage that sets the pace:
-    its busy time b per step and the parts of its idle share (`bubble_parts`).
+    its busy share and the parts of its idle share (`bubble_parts`). The profiler slows the
+    steps it traces, so the traced shares are applied to the timed step: b, the pacing
+    stage's busy time, is its busy share of the timed step.
     1. the naive split's transfers and call, which the formula divides among the stages too:
        the ideal with only the stages' compute, Σ_s t_s(1), in place of t_naive;
     2. micro-batching: Σ_s t_s(M) in place of Σ_s t_s(1) (M small products against one);
@@ -173,14 +175,13 @@ def gap_parts(rows, variant: str) -> dict[str, float]:
        the other stage's work and the transfers: shared cores, caches and memory);
     5. the schedule with this run's op times: its idle share in place of the formula's;
     6. gaps inside ops: the executor going from one op to the next;
-    7. hand-offs and the rest of the traced step (the updates, waits the schedule does not need);
-    and the residual: the timed step against the traced one (the profiler slows what it
-    records; the call from this process).
+    7. the rest of the idle share: waiting for hand-offs and for the update; with it, the
+       model is the timed step.
     """
     rows = [r for r in rows if r.get("case", "pipeline") == "pipeline"]  # not the memory rows' names
     by = {r["variant"]: r for r in rows}
     row_, naive = by[variant], by["naive split"]
-    S, M = row_.get("stages", 2), row_["micro_batches"]
+    S, M = row_.get("devices", 2), row_["micro_batches"]
     alone = {(r["stage"], r["m"]): r["ms"] for r in rows if r.get("part") == "stage alone"}
     if (0, M) not in alone:
         raise ValueError(
@@ -188,9 +189,12 @@ def gap_parts(rows, variant: str) -> dict[str, float]:
         )
     if "bubble_parts" not in row_:
         raise ValueError(f"{variant!r} has no traced steps (bubble_parts): only the plain schedules are traced.")
+    parts = row_["bubble_parts"]
+    if not (row_["bubble_measured"] < 1 and parts["schedule"] + parts["inside ops"] < 1):
+        raise ValueError(f"{variant!r}: the pacing stage was idle for the whole step: there is no busy time to split.")
     fill = (M + S - 1) / M  # the pipeline's length in steps of the slowest stage: 1 / (1 - formula)
     ideal = naive["ms"] * fill / S
-    busy, parts = row_["busy_ms"], row_["bubble_parts"]
+    busy = row_["ms"] * (1 - row_["bubble_measured"])  # the pacing stage's busy share of the timed step
     models = [
         ideal,
         sum(alone[s, 1] for s in range(S)) * fill / S,
@@ -199,7 +203,7 @@ def gap_parts(rows, variant: str) -> dict[str, float]:
         busy * fill,
         busy / (1 - parts["schedule"]),
         busy / (1 - parts["schedule"] - parts["inside ops"]),
-        busy / (1 - row_["bubble_measured"]),  # the traced step
+        row_["ms"],  # busy / (1 - the measured idle share)
     ]
     names = [
         "naive's transfers and call (the formula divides them)",
@@ -208,14 +212,13 @@ def gap_parts(rows, variant: str) -> dict[str, float]:
         "both devices at once (ops slowed by the other stage and the transfers)",
         "the schedule with this run's op times, not the formula's",
         "gaps inside ops (the executor between two ops)",
-        "hand-offs and the rest of the traced step",
+        "the rest: waiting for hand-offs and for the update",
     ]
     return {
         "measured_ms": row_["ms"],
         "ideal_ms": ideal,
         "gap_ms": row_["ms"] - ideal,
         **{name: b - a for name, a, b in zip(names, models[:-1], models[1:], strict=True)},
-        "residual (the timed step against the traced one)": row_["ms"] - models[-1],
     }
 
 
@@ -241,7 +244,7 @@ def pipeline_vs_naive(
     formula assumes equal stages; a faster stage also waits for the slower one, which is
     imbalance, not the schedule's bubble), and `bubble_parts`, its measured parts: the
     schedule's own idle share with this run's op times, the executor's gaps inside ops, and
-    the rest (hand-offs, the call, the updates). `bubble_from_times`, 1 - t_naive / (S t), reads it
+    the rest (waiting for hand-offs and for the update). `bubble_from_times`, 1 - t_naive / (S t), reads it
     from the times instead, as if the naive split were S stages' work one after the other: it
     also counts what slows the two devices down together and the naive split's own overlaps.
     """
@@ -264,38 +267,47 @@ def pipeline_vs_naive(
     for r in rows:  # after the timed rounds: a traced step is slower, and would disturb them
         if r["variant"] in pipes:
             r.update(idle_shares(pipes[r["variant"]], *resident, steps=traced_steps))
-            pace = min(range(len(pair)), key=lambda s: r["idle_per_stage"][s])  # the stage that sets the pace
-            r["bubble_measured"], r["busy_ms"] = r["idle_per_stage"][pace], r["busy_ms_per_stage"][pace]
-            schedule, inside = r["idle_in_schedule"][pace], r["idle_inside_ops"][pace]
-            r["bubble_parts"] = {
-                "schedule": schedule,
-                "inside ops": inside,
-                "rest": r["bubble_measured"] - schedule - inside,
-            }
+            r.update(_bubble_parts(r))
     return rows + (memory_rows(devs, width, batch, M) if memory else [])
 
 
+def _bubble_parts(r) -> dict:
+    """The bubble of a traced row: the idle share of the stage that sets the pace (the least
+    idle), its busy time, and its idle share's parts (`idle_shares`): the schedule with this
+    run's op times, gaps inside ops, and the rest (waiting for hand-offs and for the update)."""
+    pace = min(range(len(r["idle_per_stage"])), key=lambda s: r["idle_per_stage"][s])
+    measured, schedule, inside = r["idle_per_stage"][pace], r["idle_in_schedule"][pace], r["idle_inside_ops"][pace]
+    return {
+        "bubble_measured": measured,
+        "busy_ms": r["busy_ms_per_stage"][pace],
+        "bubble_parts": {"schedule": schedule, "inside ops": inside, "rest": measured - schedule - inside},
+    }
+
+
 def idle_shares(pipe, x, y, steps=3) -> dict:
-    """Read from `steps` traced steps of `pipe`: for each stage, the share of a step during
-    which its device ran none of its ops (`idle_per_stage`), and how long the first stage
-    started after the earliest op of the step (`start_skew_ms`), averaged over the steps.
+    """Read from `steps` traced steps of `pipe`, each the average over the steps:
 
-    A step lasts from the first stage's first op, which starts the pipeline, to the step
-    counter's update, its last op (`traced_ms`; `busy_ms_per_stage`, the time each stage ran
-    an op). A later stage that starts first (reading its weights,
-    splitting its labels) waits for this process to start the first stage: a cost of the call,
-    `start_skew_ms`, not of the schedule. The trace holds one step more, first, which is not
-    read: a profiler slows the first step it records. Waiting for another stage counts as idle;
-    an op that the other device slows down counts as busy, so what slows ops down (smaller
-    products, two devices at once) shows in the times (`bubble_from_times`), not here.
+    - `idle_per_stage`: the share of a step during which each stage's device ran none of its
+      ops. A step lasts from the first stage's first op, which starts the pipeline, to the
+      step counter's update, its last op (`traced_ms`; `busy_ms_per_stage`, the time each
+      stage ran an op). Waiting for another stage counts as idle; an op that the other device
+      slows down counts as busy, so what slows ops down (smaller products, two devices at
+      once) shows in the times (`bubble_from_times`), not here.
+    - `start_skew_ms`: how long after the step's earliest op the first stage started. A later
+      stage that starts first (reading its weights, splitting its labels) waits for this
+      process to start the first stage: a cost of the call, not of the schedule.
+    - `between_steps_ms`: from one step's last op to the next step's first, the steps called
+      one after another from this process: the cost of a call that a wave saves.
+    - the parts of the idle share, per stage: `idle_in_schedule`, the schedule's own idle
+      share if every forward and backward took this run's mean time on its stage (`op_ms`,
+      first op to last, reads of weights left out) and nothing else cost anything
+      (`pipeline.simulated_idle`); `idle_inside_ops`, the share during which a forward or
+      backward had begun and not ended but none of its stage's ops ran (the executor going
+      from one op to the next). The rest is waiting beyond what the schedule needs: for
+      outputs and gradients to arrive, and for the other stage before the update.
 
-    The idle share splits into measured parts, per stage: `idle_in_schedule`, the schedule's
-    own idle share if each forward and backward took this run's median time on its stage
-    (`op_ms`, first op to last, reads of weights left out) and nothing else cost anything
-    (`pipeline.simulate`); `idle_inside_ops`, the share during which a forward or backward had
-    begun and not ended but none of its stage's ops ran (the executor going from one op to the
-    next); the rest is waiting between ops beyond what the schedule needs (hand-offs of
-    outputs and gradients, the call, the updates).
+    The trace holds one step more, first, which is not read: a profiler slows the first step
+    it records.
     """
     from . import pipeline, timeline
 
@@ -305,34 +317,61 @@ def idle_shares(pipe, x, y, steps=3) -> dict:
     ends = sorted(e.end for e in events if e.type == "AssignAddVariableOp")  # one per step
     if len(ends) != steps + 1:
         raise RuntimeError(f"expected {steps + 1} step counter updates in the trace, found {len(ends)}.")
-    shares, skews, inside, durations, windows = [], [], [], {}, []
-    for before, end in itertools.pairwise(ends):
-        firsts = [min(e.start for e in events if e.device == d and e.start > before) for d in pipe.devices]
-        start = firsts[0]  # the first stage starts the pipeline
-        skews.append(start - min(firsts))
-        windows.append(end - start)
-        shares.append([1 - _busy_between(events, d, start, end) / (end - start) for d in pipe.devices])
-        blocks = _op_spans([e for e in events if start <= e.start <= end], pipe.devices)
-        for (s, op, _), (a, b) in blocks.items():
-            durations.setdefault((s, op), []).append(b - a)
-        inside.append(
-            [
-                sum(b - a - _busy_between(events, d, a, b) for (stage, _, _), (a, b) in blocks.items() if stage == s)
-                / (end - start)
-                for s, d in enumerate(pipe.devices)
-            ]
-        )
-    op_ms = {op: [statistics.median(durations[s, op]) for s in range(len(pipe.devices))] for op in "FB"}
-    idle = [statistics.fmean(per_step) for per_step in zip(*shares, strict=True)]
-    traced_ms = statistics.fmean(windows)
+    readings = [_read_step(events, pipe.devices, before, end) for before, end in itertools.pairwise(ends)]
+
+    def mean(key):
+        return statistics.fmean(r[key] for r in readings)
+
+    def mean_per_stage(key):
+        return [statistics.fmean(per_step) for per_step in zip(*(r[key] for r in readings), strict=True)]
+
+    idle, traced_ms = mean_per_stage("idle"), mean("window")
+    op_ms = _mean_op_ms([r["spans"] for r in readings], len(idle))
     return {
         "idle_per_stage": idle,
-        "start_skew_ms": statistics.fmean(skews),
+        "start_skew_ms": mean("skew"),
+        "between_steps_ms": mean("between"),
         "traced_ms": traced_ms,
         "busy_ms_per_stage": [traced_ms * (1 - share) for share in idle],
         "op_ms": op_ms,
-        "idle_in_schedule": pipeline.simulate(pipe.orders, op_ms["F"], op_ms["B"]),
-        "idle_inside_ops": [statistics.fmean(per_step) for per_step in zip(*inside, strict=True)],
+        "idle_in_schedule": pipeline.simulated_idle(pipe.orders, op_ms["F"], op_ms["B"]),
+        "idle_inside_ops": mean_per_stage("inside"),
+    }
+
+
+def _mean_op_ms(spans_per_step, stages) -> dict[str, list[float]]:
+    """{"F": [...], "B": [...]}: each stage's mean forward and backward, first op to last (0
+    where a stage has none, such as a backward of a stage without weights)."""
+    times = {}
+    for spans in spans_per_step:
+        for (s, op, _), (a, b) in spans.items():
+            times.setdefault((s, op), []).append(b - a)
+    return {op: [statistics.fmean(times.get((s, op), [0.0])) for s in range(stages)] for op in "FB"}
+
+
+def _read_step(events, devices, before, end) -> dict:
+    """One traced step, from the first op after `before` (the last step's counter update) to
+    `end` (its own): its window, the first stage's lateness, the gap since the last step, each
+    stage's idle share and share of gaps inside ops, and the spans of its forwards and backwards."""
+    firsts = []
+    for d in devices:
+        starts = [e.start for e in events if e.device == d and before < e.start <= end]
+        if not starts:
+            raise RuntimeError(f"device {d} ran no op in a traced step: is every stage on its device?")
+        firsts.append(min(starts))
+    start = firsts[0]  # the first stage starts the pipeline
+    spans = _op_spans([e for e in events if start <= e.start <= end], devices)
+    inside = [
+        sum(b - a - _busy_between(events, d, a, b) for (stage, _, _), (a, b) in spans.items() if stage == s)
+        for s, d in enumerate(devices)
+    ]
+    return {
+        "window": end - start,
+        "skew": start - min(firsts),
+        "between": min(firsts) - before,
+        "idle": [1 - _busy_between(events, d, start, end) / (end - start) for d in devices],
+        "inside": [gaps / (end - start) for gaps in inside],
+        "spans": spans,
     }
 
 

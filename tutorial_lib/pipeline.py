@@ -123,7 +123,7 @@ def unroll(orders) -> list[tuple[int, str, int]]:
     return plan
 
 
-def simulate(orders, t_forward, t_backward) -> list[float]:
+def simulated_idle(orders, t_forward, t_backward) -> list[float]:
     """Each stage's idle share of a step in which every op starts as soon as its inputs and its
     stage are free and takes its stage's time: `t_forward` and `t_backward` are one time for
     every stage or a list of one per stage. The schedule's own bubble, with no cost to hand an
@@ -187,12 +187,19 @@ class Pipeline:
 
     def train_steps(self, xs, ys):
         """A wave: one SGD step per batch (xs[k], ys[k]), all in ONE `tf.function` call; returns
-        the K losses. Stage s starts step k+1 as soon as it has applied its own update of step k,
-        with no barrier between the steps; the result equals K calls of `train_step`.
+        the K losses. Step k+1 starts on every stage once step k is applied on every stage (its
+        step counter update), with no call from this process in between; the result equals K
+        calls of `train_step`.
 
         Each wave size K is its own graph (K steps unrolled). If a step fails, the steps before
-        it stay applied: `pipeline.step` counts the steps applied so far.
+        it stay applied, each whole, and `pipeline.step` counts them; their losses are lost
+        with the call.
         """
+        if any(isinstance(batches, tf.Tensor | np.ndarray) for batches in (xs, ys)):
+            raise TypeError(
+                "train_steps takes a list of input batches and a list of label batches, not one tensor: "
+                "pass [x0, x1, ...] and [y0, y1, ...] (or tf.unstack a stacked tensor)."
+            )
         xs, ys = list(xs), list(ys)
         if len(xs) != len(ys) or not xs:
             raise ValueError(
@@ -296,9 +303,9 @@ class Pipeline:
         """SGD on each stage's device once every gradient of the step exists, then the step
         counter: all or nothing, no stage updates alone. Returns the counter's update, the
         step's last op."""
-        updates = []
-        with tf.control_dependencies([g for per_stage in grads for g in per_stage]):
-            for v, g in zip(self.variables, [g for per_stage in grads for g in per_stage], strict=True):
+        updates, flat = [], [g for per_stage in grads for g in per_stage]
+        with tf.control_dependencies(flat):
+            for v, g in zip(self.variables, flat, strict=True):
                 with tf.device(v.device), tf.name_scope("update"):
                     updates.append(v.assign_sub(self.learning_rate * g))
         with tf.control_dependencies(updates), tf.device(self.devices[0]):
