@@ -650,6 +650,50 @@ def test_dropout_draws_the_same_mask_when_recomputed_and_on_one_device(devs, bat
     assert int(kept.step) == 2
 
 
+def keras_stages(devices=None, dropout=0.0):
+    """The seed's kind of stages: Keras models, weights seeded, the first on devices[0]."""
+    import keras
+
+    stages = []
+    for s, (n_in, n_out) in enumerate(((64, 32), (32, 10))):
+        with tf.device(devices[s]) if devices else contextlib.nullcontext():
+            layers = [
+                keras.Input((n_in,)),
+                keras.layers.Dense(n_out, kernel_initializer=keras.initializers.GlorotUniform(s)),
+            ]
+            if s == 0 and dropout:
+                layers.append(keras.layers.Dropout(dropout, seed=3))
+            stages.append(keras.Sequential(layers))
+    return stages
+
+
+def test_keras_stages_train_like_the_single_device_step(devs, batch):
+    x, y = batch
+    x = tf.reshape(x, [x.shape[0], -1])
+    pipe = pipeline.Pipeline(keras_stages(devs[:2]), devs[:2], 4, learning_rate=0.5, schedule="1f1b")
+    single = keras_stages()
+    variables = [v for stage in single for v in stage.trainable_variables]
+    for _ in range(2):
+        with tf.GradientTape() as tape:
+            ref = models.cross_entropy(single[1](single[0](x)), y)
+        for v, g in zip(variables, tape.gradient(ref, variables), strict=True):
+            v.assign_sub(0.5 * g)
+        np.testing.assert_allclose(pipe.train_step(x, y), ref, atol=1e-5)
+    for v, w in zip(pipe.variables, variables, strict=True):
+        np.testing.assert_allclose(v.numpy(), w.numpy(), atol=1e-5)
+
+
+def test_a_keras_dropout_drops_in_the_pipeline_and_is_refused_under_recompute(devs, batch):
+    x, y = batch
+    x = tf.reshape(x, [x.shape[0], -1])
+    stages = keras_stages(devs[:2], dropout=0.5)
+    loss, _ = pipeline.Pipeline(stages, devs[:2], 4, learning_rate=0.5).gradients(x, y)
+    without = models.cross_entropy(stages[1](stages[0](x, training=False)), y)  # the same weights, no dropout
+    assert abs(float(loss) - float(without)) > 1e-4  # the stage was told it trains: its Dropout dropped
+    with pytest.raises(ValueError, match="Keras layer 'dropout.*' \\(Dropout\\), which draws new random numbers"):
+        pipeline.Pipeline(stages, devs[:2], 4, learning_rate=0.5, recompute=True)
+
+
 def test_dropout_is_off_outside_a_micro_batch_and_checks_its_rate():
     x = tf.ones([4, 8])
     np.testing.assert_array_equal(pipeline.Dropout(0.5)(x), x)

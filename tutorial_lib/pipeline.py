@@ -31,7 +31,9 @@ synchronous SGD drains the pipeline at every update.
 `stash_bound(orders)` gives the most micro-batches a stage keeps, from its order;
 `stash_from_trace(events, S)` reads the same from a profiler trace of a step (op names
 carry `stage{s}/F{m}` and `B{m}`). `Dropout` draws its mask from (seed, step, micro-batch),
-so a recomputed forward drops the same units.
+so a recomputed forward drops the same units. A Keras layer or model works as a stage: it is
+called with `training=True` (or its Dropout would not drop), and a Keras layer that draws
+random numbers is refused under `recompute=True`.
 
 `StagedInput` adds what `tf_cnn_benchmarks` used `StagingArea` for: each step's call puts
 the NEXT step's batch on the first stage's device while the stages work on this one.
@@ -44,6 +46,7 @@ import itertools
 import re
 import threading
 
+import keras
 import numpy as np
 import tensorflow as tf
 from tensorflow.python.ops import data_flow_ops  # PRIVATE API: StagingArea (see StagedInput)
@@ -173,6 +176,8 @@ class Pipeline:
         self.orders = _schedule(len(stages), micro_batches, schedule)
         self.plan = unroll(self.orders)
         self.kind, self.learning_rate, self.loss_fn, self.recompute = schedule, learning_rate, loss_fn, recompute
+        if recompute:
+            _refuse_keras_randomness(stages)
         self._checked = None  # (shape, dtype) of the batches the stages were checked with
         with tf.init_scope(), tf.device(self.devices[0]):  # the step number seeds dropout masks
             self.step = tf.Variable(0, dtype=tf.int64, trainable=False, name="pipeline_step")
@@ -271,11 +276,11 @@ class Pipeline:
     def _forward(self, s, h, labels):
         """(what the backward needs, the output): the tape, or only the input to recompute from."""
         if self.recompute:
-            out = self.stages[s](h)
+            out = self._run_stage(s, h)
             return h, self.loss_fn(out, labels) if s == len(self.stages) - 1 else out
         with tf.GradientTape() as tape:
             tape.watch(h)
-            out = self.stages[s](h)
+            out = self._run_stage(s, h)
             if s == len(self.stages) - 1:
                 out = self.loss_fn(out, labels)
         return (tape, h, out), out
@@ -286,7 +291,7 @@ class Pipeline:
             h = kept
             with tf.GradientTape() as tape:  # the forward again, from the kept input
                 tape.watch(h)
-                out = self.stages[s](h)
+                out = self._run_stage(s, h)
                 if s == len(self.stages) - 1:
                     out = self.loss_fn(out, labels)
         else:
@@ -299,15 +304,22 @@ class Pipeline:
         g = tape.gradient(out, [h, *variables], output_gradients=upstream)
         return g[0], g[1:]
 
+    def _run_stage(self, s, h):
+        """Stage s on `h`. A Keras layer or model is told that it trains: otherwise its Dropout
+        passes everything through (Keras's `training` defaults to False outside `fit`)."""
+        stage = self.stages[s]
+        return stage(h, training=True) if isinstance(stage, keras.Layer) else stage(h)
+
     def _update(self, grads):
         """SGD on each stage's device once every gradient of the step exists, then the step
         counter: all or nothing, no stage updates alone. Returns the counter's update, the
         step's last op."""
-        updates, flat = [], [g for per_stage in grads for g in per_stage]
-        with tf.control_dependencies(flat):
-            for v, g in zip(self.variables, flat, strict=True):
-                with tf.device(v.device), tf.name_scope("update"):
-                    updates.append(v.assign_sub(self.learning_rate * g))
+        updates = []
+        with tf.control_dependencies([g for per_stage in grads for g in per_stage]):
+            for stage, device, per_stage in zip(self.stages, self.devices, grads, strict=True):
+                with tf.device(device), tf.name_scope("update"):
+                    for v, g in zip(stage.trainable_variables, per_stage, strict=True):
+                        updates.append(v.assign_sub(self.learning_rate * g))
         with tf.control_dependencies(updates), tf.device(self.devices[0]):
             return self.step.assign_add(1)  # it counts the steps applied
 
@@ -345,6 +357,27 @@ class Pipeline:
                     f"stage {s} cannot take {what} (shape {h.shape}, {h.dtype.name}): {str(err).splitlines()[0]}{hint}"
                 ) from None
         check_mean_reduced(self.loss_fn, h, labels)
+
+
+def _refuse_keras_randomness(stages) -> None:
+    """Under recomputation a Keras layer that draws random numbers (Dropout, GaussianNoise...)
+    would draw them again in the backward: its gradient would belong to another network."""
+    for s, stage in enumerate(stages):
+        for layer in _keras_layers(stage):
+            if getattr(layer, "seed_generator", None) is not None:  # Keras 3's random layers keep one
+                raise ValueError(
+                    f"stage {s} has the Keras layer {layer.name!r} ({type(layer).__name__}), which draws new random "
+                    "numbers each call: with recompute=True the backward would use another mask than the forward. "
+                    "Use pipeline.Dropout (its mask depends only on the seed, the step and the micro-batch), or "
+                    "recompute=False."
+                )
+
+
+def _keras_layers(layer):
+    """`layer` and every layer inside it, for Keras layers and models; nothing for other stages."""
+    if not isinstance(layer, keras.Layer):
+        return []
+    return [layer] + [inner for child in getattr(layer, "layers", []) for inner in _keras_layers(child)]
 
 
 def _arrived(out, device):
