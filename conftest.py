@@ -5,18 +5,30 @@ prints the same outputs on every machine.
 """
 
 import os
+import shutil
+import tempfile
 
 os.environ["TUTORIAL_DEVICE"] = "cpu"
 os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
 os.environ["PYTHONHASHSEED"] = "0"
 
+# The processes the tests start (notebook kernels, and the servers they start) keep their
+# temporary files in a folder of this run. nbval ends each kernel without running its exit
+# handlers, which is when TensorFlow's autograph removes the source file it writes for each
+# function it converts (nbval on notebook 00 alone left three of them in /tmp). This
+# process keeps the system's folder: tempfile has already chosen it (mkdtemp asks for it).
+_CHILDREN_TMP = tempfile.mkdtemp(prefix="course_tests_children_")
+os.environ["TMPDIR"] = _CHILDREN_TMP
+
 
 def pytest_sessionfinish():
     # nbval ends each notebook's kernel without running its exit handlers: sweep the worker
-    # logs that such kernels leave (a later Cluster would, but a test run leaves nothing).
+    # logs that such kernels leave (a later Cluster would, but a test run leaves nothing),
+    # and the children's temporary folder with everything they left in it.
     from tutorial_lib import cluster
 
     cluster.sweep_logs()
+    shutil.rmtree(_CHILDREN_TMP, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(items):

@@ -84,7 +84,7 @@ CONNECTED = """
     assert os.environ["TUTORIAL_DEVICE"] == "cpu"
     names = devices.simulate(2, kind="cores")
     print("PIDS", json.dumps([w.process.pid for w in core_devices.workers]), flush=True)
-    print("LOGS", json.dumps(str(core_devices.workers[0].log.parent)), flush=True)
+    print("LOGS", json.dumps([str(core_devices.workers[0].log.parent), str(cluster.log_root())]), flush=True)
     import tensorflow as tf
 
     @tf.function
@@ -144,8 +144,8 @@ def test_workers_end_when_the_kernel_exits(connected):
 
 
 def test_worker_logs_are_removed_when_the_kernel_exits(connected):
-    (folder,) = _tagged(connected.stdout, "LOGS")
-    assert Path(folder).parent == cluster.log_root()
+    ((folder, log_root),) = _tagged(connected.stdout, "LOGS")  # the log root of the kernel's temporary folder
+    assert Path(folder).parent == Path(log_root) and Path(log_root).name == cluster.log_root().name
     assert not Path(folder).exists()
 
 
