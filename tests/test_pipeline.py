@@ -242,10 +242,15 @@ class Guard(tf.Module):
             return tf.identity(h)
 
 
+def guarded_stages(devices):
+    """mlp_stages with a Guard in front of stage 1: a step fails there on a scaled-up batch."""
+    stages = mlp_stages(devices)
+    return [stages[0], models.Sequential([Guard(), stages[1]]), stages[2]]
+
+
 def test_a_failed_step_leaves_no_partial_update_and_the_next_step_is_right(devs, batch):
     x, y = batch
-    stages = mlp_stages(devs[:3])
-    guarded = [stages[0], models.Sequential([Guard(), stages[1]]), stages[2]]
+    guarded = guarded_stages(devs[:3])
     pipe = pipeline.Pipeline(guarded, devs[:3], 4, learning_rate=0.5, schedule="1f1b")
     single = models.Sequential(mlp_stages())
     before = [v.numpy() for v in pipe.variables]
@@ -304,8 +309,7 @@ def test_each_step_of_a_wave_starts_after_the_step_before_is_applied(devs, batch
 
 def test_a_failed_wave_keeps_the_steps_before_it_whole(devs, batch):
     x, y = batch
-    stages = mlp_stages(devs[:3])
-    guarded = [stages[0], models.Sequential([Guard(), stages[1]]), stages[2]]
+    guarded = guarded_stages(devs[:3])
     pipe = pipeline.Pipeline(guarded, devs[:3], 4, learning_rate=0.5, schedule="1f1b")
     single = models.Sequential(mlp_stages())
     (x0, y0), (x1, y1), (x2, y2) = batches_of(x, y, 16)[:3]
@@ -446,8 +450,7 @@ def test_staged_input_trains_like_the_single_device_steps(devs, batch):
 
 def test_a_failed_staged_step_leaves_the_area_empty_and_the_next_run_works(devs, batch):
     x, y = batch
-    stages = mlp_stages(devs[:3])
-    guarded = [stages[0], models.Sequential([Guard(), stages[1]]), stages[2]]
+    guarded = guarded_stages(devs[:3])
     pipe = pipeline.Pipeline(guarded, devs[:3], 4, learning_rate=0.5)
     staged = pipeline.StagedInput(pipe)
     single = models.Sequential(mlp_stages())
