@@ -705,3 +705,153 @@ def test_dropout_is_off_outside_a_micro_batch_and_checks_its_rate():
     assert set(np.unique(dropped)) <= {0.0, 2.0} and 0 < (dropped == 0).sum() < x.shape.num_elements()
     with pytest.raises(ValueError, match="dropout rate must lie in"):
         pipeline.Dropout(1.0)
+
+
+# --- parameter updates with any Keras optimizer, one per stage ----------------------------
+
+
+def adam_reference(single, batches, learning_rate):
+    """Keras Adam on the whole model on one device: the losses of one step per batch."""
+    import keras
+
+    optimizer, losses = keras.optimizers.Adam(learning_rate), []
+    for x, y in batches:
+        loss, grads = reference.loss_and_gradients(single, x, y)
+        optimizer.apply_gradients(zip(grads, single.trainable_variables, strict=True))
+        losses.append(float(loss))
+    return losses
+
+
+@pytest.mark.parametrize("kind", ["gpipe", "1f1b"])
+def test_adam_per_stage_equals_adam_on_one_device(devs, batch, kind):
+    import keras
+
+    x, y = batch
+    pipe = pipeline.Pipeline(mlp_stages(devs[:3]), devs[:3], 4, schedule=kind, optimizer=keras.optimizers.Adam(1e-3))
+    single = models.Sequential(mlp_stages())
+    batches = batches_of(x, y, 16)[:4]
+    losses = [float(pipe.train_step(*batches[0]))] + [
+        float(v) for v in pipe.train_steps(*zip(*batches[1:], strict=True))
+    ]
+    np.testing.assert_allclose(losses, adam_reference(single, batches, 1e-3), atol=1e-5)
+    for v, w in zip(pipe.variables, single.trainable_variables, strict=True):
+        np.testing.assert_allclose(v.numpy(), w.numpy(), atol=1e-5)
+    assert [int(o.iterations) for o in pipe.optimizers] == [4, 4, 4]  # one iteration per step, not one per stage
+
+
+def test_each_stage_optimizer_lives_on_its_stage_device(devs, batch):
+    import keras
+
+    template = keras.optimizers.Adam(1e-3)
+    pipe = pipeline.Pipeline(mlp_stages(devs[:3]), devs[:3], 2, optimizer=template)
+    pipe.gradients(*batch)  # the copies are built with the first batch
+    for s, optimizer in enumerate(pipe.optimizers):
+        assert optimizer is not template
+        slots = [v for v in optimizer.variables if v.name not in ("iteration", "learning_rate")]
+        assert len(slots) == 2 * len(pipe.stages[s].trainable_variables)  # Adam: two moments per weight
+        for v in optimizer.variables:
+            assert v.value.device.endswith(devs[s].split("/")[-1]), (s, v.name, v.value.device)
+
+
+@pytest.mark.parametrize("optimizer", [None, "adam"])
+def test_every_update_waits_for_every_stage_s_last_backward(devs, batch, optimizer):
+    """All or nothing, read from the graph: no stage can update before another's gradients exist."""
+    import keras
+
+    x, y = batch
+    rule = {"optimizer": keras.optimizers.Adam(1e-3)} if optimizer else {"learning_rate": 0.1}
+    pipe = pipeline.Pipeline(mlp_stages(devs[:3]), devs[:3], 4, schedule="1f1b", **rule)
+    pipe.gradients(x, y)
+    graph = pipe._train.get_concrete_function(x, y).graph
+    writes = [op for op in graph.get_operations() if op.name.startswith("update") and "Assign" in op.type]
+    assert len(writes) >= len(pipe.variables)
+    for write in writes:
+        seen, todo = set(), [write]
+        while todo:  # every op this write waits for, by data or by control
+            op = todo.pop()
+            for before in [t.op for t in op.inputs] + list(op.control_inputs):
+                if before.name not in seen:
+                    seen.add(before.name)
+                    todo.append(before)
+        for s in range(3):
+            assert any(name.startswith(f"stage{s}/B3/") for name in seen), (write.name, s)
+
+
+def test_adam_with_keras_stages_one_built_only_by_the_first_batch(devs, batch):
+    import keras
+
+    x, y = batch
+    x = tf.reshape(x, [x.shape[0], -1])
+
+    def stages(devices=None):
+        first = keras_stages(devices)[0]
+        with tf.device(devices[1]) if devices else contextlib.nullcontext():
+            head = keras.Sequential([keras.layers.Dense(10, kernel_initializer=keras.initializers.GlorotUniform(7))])
+        return [first, head]  # the head has no Input: Keras creates its weights at its first call
+
+    pipe = pipeline.Pipeline(stages(devs[:2]), devs[:2], 4, schedule="1f1b", optimizer=keras.optimizers.Adam(1e-3))
+    single = stages()
+    single[1](single[0](x))  # build it
+    variables = [v for stage in single for v in stage.trainable_variables]
+    optimizer = keras.optimizers.Adam(1e-3)
+    for _ in range(2):
+        with tf.GradientTape() as tape:
+            ref = models.cross_entropy(single[1](single[0](x)), y)
+        optimizer.apply_gradients(zip(tape.gradient(ref, variables), variables, strict=True))
+        np.testing.assert_allclose(pipe.train_step(x, y), ref, atol=1e-5)
+    for v, w in zip(pipe.variables, variables, strict=True):
+        np.testing.assert_allclose(v.numpy(), w.numpy(), atol=1e-5)
+
+
+def test_adamw_keeps_its_weight_decay_exclusions_and_a_stage_may_have_no_weights(devs, batch):
+    import keras
+
+    x, y = batch
+    template = keras.optimizers.AdamW(1e-3, weight_decay=0.5)
+    template.exclude_from_weight_decay(var_names=["b"])  # the biases of models.Dense
+    first, second, third = mlp_stages(devs[:3])
+    pipe = pipeline.Pipeline([first, second, Guard(), third], [*devs[:3], devs[3]], 4, optimizer=template)
+    single = models.Sequential(mlp_stages())
+    reference_optimizer = keras.optimizers.AdamW(1e-3, weight_decay=0.5)
+    reference_optimizer.exclude_from_weight_decay(var_names=["b"])
+    for _ in range(2):
+        loss, grads = reference.loss_and_gradients(single, x, y)
+        reference_optimizer.apply_gradients(zip(grads, single.trainable_variables, strict=True))
+        np.testing.assert_allclose(pipe.train_step(x, y), loss, atol=1e-5)
+    for v, w in zip(pipe.variables, single.trainable_variables, strict=True):
+        np.testing.assert_allclose(v.numpy(), w.numpy(), atol=1e-5)
+    assert [int(o.iterations) for o in pipe.optimizers] == [2, 2, 0, 2]  # the Guard has nothing to update
+
+
+def test_a_failed_step_leaves_the_optimizers_untouched(devs, batch):
+    import keras
+
+    x, y = batch
+    pipe = pipeline.Pipeline(guarded_stages(devs[:3]), devs[:3], 4, optimizer=keras.optimizers.Adam(1e-3))
+    with pytest.raises(tf.errors.InvalidArgumentError, match="too large"):
+        pipe.train_step(tf.concat([x[:-16], 1e4 * x[-16:]], 0), y)
+    for optimizer in pipe.optimizers:
+        assert int(optimizer.iterations) == 0
+        assert all(not np.any(v.numpy()) for v in optimizer.variables if v.name != "learning_rate")
+
+
+def test_the_update_rule_is_given_once_and_the_optimizer_is_one_the_stages_can_share_out(devs):
+    import keras
+
+    stages = mlp_stages(devs[:3])
+    with pytest.raises(ValueError, match="either learning_rate .* or optimizer"):
+        pipeline.Pipeline(stages, devs[:3], 2)
+    with pytest.raises(ValueError, match="not both"):
+        pipeline.Pipeline(stages, devs[:3], 2, learning_rate=0.1, optimizer=keras.optimizers.Adam(1e-3))
+    with pytest.raises(TypeError, match="must be a Keras optimizer .* got float"):
+        pipeline.Pipeline(stages, devs[:3], 2, optimizer=0.1)
+    used = keras.optimizers.Adam(1e-3)
+    used.build(stages[0].trainable_variables)
+    with pytest.raises(ValueError, match="already built"):
+        pipeline.Pipeline(stages, devs[:3], 2, optimizer=used)
+    with pytest.raises(ValueError, match="each stage would be clipped by its own norm"):
+        pipeline.Pipeline(stages, devs[:3], 2, optimizer=keras.optimizers.Adam(1e-3, global_clipnorm=1.0))
+    with pytest.raises(ValueError, match="loss scaling is not supported"):
+        pipeline.Pipeline(stages, devs[:3], 2, optimizer=keras.optimizers.Adam(1e-3, loss_scale_factor=128.0))
+    with pytest.raises(ValueError, match="loss scaling is not supported"):
+        pipeline.Pipeline(stages, devs[:3], 2, optimizer=keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD()))

@@ -24,6 +24,11 @@ memory. A step has no state outside its call: gradients are summed inside the gr
 the update runs only after every gradient of every stage exists, so an interrupted or
 failed step leaves the weights as they were.
 
+The update is plain SGD (`learning_rate`) or a Keras optimizer (`optimizer`), of which
+`stage_optimizers` builds one copy per stage, on its stage's device. Settings that join the
+gradients of every weight (`global_clipnorm`) or that need the loss scaled (loss scaling)
+are refused: one copy per stage sees only its own stage.
+
 `train_steps(xs, ys)` runs a wave: K steps in one call, each step's first ops waiting for
 the step before to be applied, so no call separates them. It saves the call, not the bubble:
 synchronous SGD drains the pipeline at every update.
@@ -151,7 +156,12 @@ def simulated_idle(orders, t_forward, t_backward) -> list[float]:
 
 
 class Pipeline:
-    """Train `stages` (callables with `trainable_variables`), stage s on devices[s], with SGD.
+    """Train `stages` (callables with `trainable_variables`), stage s on devices[s].
+
+    The update is plain SGD with `learning_rate`, or a Keras `optimizer` (Adam, ...). The
+    optimizer given is a template: with the first batch the pipeline builds one copy of it
+    per stage, on the stage's device, and those copies (`self.optimizers`) are the ones that
+    step, and the ones to read, change or checkpoint.
 
     `loss_fn(logits, labels)` must return the MEAN loss over its micro-batch (a scalar), as
     `models.cross_entropy` does: the step's loss is the mean of the M micro-batch losses,
@@ -163,19 +173,28 @@ class Pipeline:
         stages,
         devices,
         micro_batches: int,
-        learning_rate: float,
+        learning_rate: float | None = None,
         schedule: str = "gpipe",
         loss_fn=models.cross_entropy,
         recompute: bool = False,
+        optimizer: keras.optimizers.Optimizer | None = None,
     ):
         stages, devices = list(stages), list(devices)
         if not stages or len(stages) != len(devices):
             raise ValueError(f"need one device per stage, got {len(stages)} stages and {len(devices)} devices.")
+        if (learning_rate is None) == (optimizer is None):
+            raise ValueError(
+                "give either learning_rate (plain SGD) or optimizer (a Keras optimizer, copied once per stage), "
+                "not both and not neither."
+            )
         self.stages, self.devices = stages, [normalize(d) for d in devices]
         self.micro_batches = checks.whole_number(micro_batches, "micro_batches")
         self.orders = _schedule(len(stages), micro_batches, schedule)
         self.plan = unroll(self.orders)
         self.kind, self.learning_rate, self.loss_fn, self.recompute = schedule, learning_rate, loss_fn, recompute
+        if optimizer is not None:
+            check_optimizer(optimizer)
+        self._template, self.optimizers = optimizer, None  # built with the first batch: Keras stages build then
         if recompute:
             _refuse_keras_randomness(stages)
         self._checked = None  # (shape, dtype) of the batches the stages were checked with
@@ -186,12 +205,12 @@ class Pipeline:
         self._gradients = tf.function(self._gradients_graph, autograph=False)
 
     def train_step(self, x, y):
-        """One pipelined SGD step as one `tf.function` call; returns the batch's mean loss."""
+        """One pipelined training step as one `tf.function` call; returns the batch's mean loss."""
         x, y = self._checked_batch(x, y)
         return self._train(x, y)
 
     def train_steps(self, xs, ys):
-        """A wave: one SGD step per batch (xs[k], ys[k]), all in ONE `tf.function` call; returns
+        """A wave: one training step per batch (xs[k], ys[k]), all in ONE `tf.function` call; returns
         the K losses. Step k+1 starts on every stage once step k is applied on every stage (its
         step counter update), with no call from this process in between; the result equals K
         calls of `train_step`.
@@ -311,15 +330,25 @@ class Pipeline:
         return stage(h, training=True) if isinstance(stage, keras.Layer) else stage(h)
 
     def _update(self, grads):
-        """SGD on each stage's device once every gradient of the step exists, then the step
-        counter: all or nothing, no stage updates alone. Returns the counter's update, the
-        step's last op."""
+        """Each stage's update on its device once every gradient of the step exists, then the
+        step counter: all or nothing, no stage updates alone. Returns the counter's update,
+        the step's last op."""
         updates = []
         with tf.control_dependencies([g for per_stage in grads for g in per_stage]):
-            for stage, device, per_stage in zip(self.stages, self.devices, grads, strict=True):
+            for s, (stage, device, per_stage) in enumerate(zip(self.stages, self.devices, grads, strict=True)):
+                variables = stage.trainable_variables
                 with tf.device(device), tf.name_scope("update"):
-                    for v, g in zip(stage.trainable_variables, per_stage, strict=True):
-                        updates.append(v.assign_sub(self.learning_rate * g))
+                    if self.learning_rate is not None:
+                        updates += [
+                            v.assign_sub(self.learning_rate * g) for v, g in zip(variables, per_stage, strict=True)
+                        ]
+                    elif variables:
+                        optimizer = self.optimizers[s]
+                        optimizer.apply(list(per_stage), list(variables))
+                        # Keras gives no op that ends with every write. A read of a variable comes
+                        # after its writes (tf.function orders the ops on one variable as the program
+                        # does), so reading every variable it may write ends with all of them.
+                        updates += [tf.identity(v) for v in (*variables, *optimizer.variables)]
         with tf.control_dependencies(updates), tf.device(self.devices[0]):
             return self.step.assign_add(1)  # it counts the steps applied
 
@@ -338,6 +367,8 @@ class Pipeline:
             check_labels(self.loss_fn, y)
             with tf.init_scope():  # eager even inside a user's tf.function
                 self._dry_run(x, y)
+                if self._template is not None and self.optimizers is None:  # every stage's weights exist now
+                    self.optimizers = stage_optimizers(self._template, self.stages, self.devices)
             self._checked = key
         return x, y
 
@@ -357,6 +388,59 @@ class Pipeline:
                     f"stage {s} cannot take {what} (shape {h.shape}, {h.dtype.name}): {str(err).splitlines()[0]}{hint}"
                 ) from None
         check_mean_reduced(self.loss_fn, h, labels)
+
+
+def check_optimizer(optimizer) -> None:
+    """Refuse what one copy of the optimizer per stage cannot do as one optimizer would."""
+    if not isinstance(optimizer, keras.optimizers.Optimizer):
+        raise TypeError(
+            f"optimizer must be a Keras optimizer such as keras.optimizers.Adam(1e-3), got {type(optimizer).__name__}; "
+            "for plain SGD pass learning_rate instead."
+        )
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer) or optimizer.loss_scale_factor is not None:
+        raise ValueError(
+            "loss scaling is not supported: the pipeline does not scale the loss, and each stage's copy would check "
+            "only its own gradients for overflow and could skip its update while the other stages apply theirs."
+        )
+    if optimizer.global_clipnorm is not None:
+        raise ValueError(
+            "global_clipnorm clips by the norm of the gradients of one apply, and each stage's copy sees only its own "
+            "stage: each stage would be clipped by its own norm. Use clipnorm (per weight) or clipvalue instead."
+        )
+    if optimizer.built:
+        raise ValueError(
+            "this optimizer is already built on some variables, and its state would not carry over to the copies "
+            "the pipeline makes, one per stage: pass a new one, e.g. keras.optimizers.Adam(1e-3)."
+        )
+
+
+def stage_optimizers(optimizer, stages, devices) -> list:
+    """One fresh copy of the Keras `optimizer` per stage, built under its stage's device.
+
+    Each copy counts one iteration per step, and its step count and learning rate sit on its
+    stage's device (Keras puts the moments beside their weights in any case). One optimizer
+    applied once per stage goes wrong: Keras 3 refuses the variables of a stage it was not
+    built on ("Unknown variable"), and one built on every stage counts S iterations per step,
+    so Adam's bias correction, which reads that count, is wrong for every apply after the
+    first (notebook 05 reproduces it).
+    """
+    check_optimizer(optimizer)
+    copies = []
+    for stage, device in zip(stages, devices, strict=True):
+        with tf.init_scope(), tf.device(device):  # its variables on the stage's device, even if traced
+            try:
+                copy = type(optimizer).from_config(optimizer.get_config())
+            except TypeError as err:
+                raise TypeError(
+                    f"cannot copy {type(optimizer).__name__} from its get_config() ({err}): give the class a "
+                    "get_config that returns every argument of its constructor."
+                ) from None
+            for name in ("_exclude_from_weight_decay", "_exclude_from_weight_decay_pattern"):
+                if hasattr(optimizer, name):  # PRIVATE Keras state that get_config leaves out
+                    setattr(copy, name, getattr(optimizer, name))
+            copy.build(list(stage.trainable_variables))
+        copies.append(copy)
+    return copies
 
 
 def _refuse_keras_randomness(stages) -> None:
