@@ -849,9 +849,37 @@ def test_the_update_rule_is_given_once_and_the_optimizer_is_one_the_stages_can_s
     used.build(stages[0].trainable_variables)
     with pytest.raises(ValueError, match="already built"):
         pipeline.Pipeline(stages, devs[:3], 2, optimizer=used)
-    with pytest.raises(ValueError, match="each stage would be clipped by its own norm"):
-        pipeline.Pipeline(stages, devs[:3], 2, optimizer=keras.optimizers.Adam(1e-3, global_clipnorm=1.0))
+    with pytest.raises(ValueError, match="each stage's copy sees only its own stage"):
+        pipeline.stage_optimizers(keras.optimizers.Adam(1e-3, global_clipnorm=1.0), stages, devs[:3])
     with pytest.raises(ValueError, match="loss scaling is not supported"):
         pipeline.Pipeline(stages, devs[:3], 2, optimizer=keras.optimizers.Adam(1e-3, loss_scale_factor=128.0))
     with pytest.raises(ValueError, match="loss scaling is not supported"):
         pipeline.Pipeline(stages, devs[:3], 2, optimizer=keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD()))
+
+
+def test_global_clipnorm_clips_by_the_norm_over_every_stage(devs, batch):
+    import keras
+
+    x, y = batch
+    clip = 0.05  # SGD, whose step scales with the gradient (Adam's hardly does)
+    pipe = pipeline.Pipeline(
+        mlp_stages(devs[:3]), devs[:3], 4, schedule="1f1b", optimizer=keras.optimizers.SGD(0.5, global_clipnorm=clip)
+    )
+    single = models.Sequential(mlp_stages())
+    optimizer = keras.optimizers.SGD(0.5, global_clipnorm=clip)
+    for _ in range(2):
+        loss, grads = reference.loss_and_gradients(single, x, y)
+        assert float(tf.linalg.global_norm(grads)) > 2 * clip  # the clip binds
+        optimizer.apply_gradients(zip(grads, single.trainable_variables, strict=True))
+        np.testing.assert_allclose(pipe.train_step(x, y), loss, atol=1e-5)
+    for v, w in zip(pipe.variables, single.trainable_variables, strict=True):
+        np.testing.assert_allclose(v.numpy(), w.numpy(), atol=1e-5)
+    assert all(o.global_clipnorm is None for o in pipe.optimizers)  # the pipeline clipped, not each stage
+
+
+def test_clip_by_global_norm_scales_every_stage_by_one_norm(devs):
+    grads = [[tf.constant([3.0])], [tf.constant([4.0]), tf.constant([0.0])], []]
+    clipped = pipeline.clip_by_global_norm(grads, 1.0, devs[:3])  # norm 5
+    np.testing.assert_allclose([float(g[0]) for g in clipped[0] + clipped[1]], [0.6, 0.8, 0.0], atol=1e-6)
+    unclipped = pipeline.clip_by_global_norm(grads, 10.0, devs[:3])
+    np.testing.assert_allclose([float(g[0]) for g in unclipped[0] + unclipped[1]], [3.0, 4.0, 0.0], atol=1e-6)

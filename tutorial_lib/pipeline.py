@@ -25,9 +25,9 @@ the update runs only after every gradient of every stage exists, so an interrupt
 failed step leaves the weights as they were.
 
 The update is plain SGD (`learning_rate`) or a Keras optimizer (`optimizer`), of which
-`stage_optimizers` builds one copy per stage, on its stage's device. Settings that join the
-gradients of every weight (`global_clipnorm`) or that need the loss scaled (loss scaling)
-are refused: one copy per stage sees only its own stage.
+`stage_optimizers` builds one copy per stage, on its stage's device. `global_clipnorm` needs
+the norm of every stage's gradients together: the pipeline clips by it before the copies
+apply (`clip_by_global_norm`). Loss scaling is refused.
 
 `train_steps(xs, ys)` runs a wave: K steps in one call, each step's first ops waiting for
 the step before to be applied, so no call separates them. It saves the call, not the bubble:
@@ -192,8 +192,12 @@ class Pipeline:
         self.orders = _schedule(len(stages), micro_batches, schedule)
         self.plan = unroll(self.orders)
         self.kind, self.learning_rate, self.loss_fn, self.recompute = schedule, learning_rate, loss_fn, recompute
+        self.clip_norm = None  # global_clipnorm, applied here over every stage
         if optimizer is not None:
             check_optimizer(optimizer)
+            self.clip_norm = optimizer.global_clipnorm
+            if self.clip_norm is not None:  # a copy would clip over its own stage only: the copies clip nothing
+                optimizer = _copy(optimizer, {**optimizer.get_config(), "global_clipnorm": None})
         self._template, self.optimizers = optimizer, None  # built with the first batch: Keras stages build then
         if recompute:
             _refuse_keras_randomness(stages)
@@ -334,6 +338,8 @@ class Pipeline:
         step counter: all or nothing, no stage updates alone. Returns the counter's update,
         the step's last op."""
         updates = []
+        if self.clip_norm is not None:
+            grads = clip_by_global_norm(grads, self.clip_norm, self.devices)
         with tf.control_dependencies([g for per_stage in grads for g in per_stage]):
             for s, (stage, device, per_stage) in enumerate(zip(self.stages, self.devices, grads, strict=True)):
                 variables = stage.trainable_variables
@@ -402,11 +408,6 @@ def check_optimizer(optimizer) -> None:
             "loss scaling is not supported: the pipeline does not scale the loss, and each stage's copy would check "
             "only its own gradients for overflow and could skip its update while the other stages apply theirs."
         )
-    if optimizer.global_clipnorm is not None:
-        raise ValueError(
-            "global_clipnorm clips by the norm of the gradients of one apply, and each stage's copy sees only its own "
-            "stage: each stage would be clipped by its own norm. Use clipnorm (per weight) or clipvalue instead."
-        )
     if optimizer.built:
         raise ValueError(
             "this optimizer is already built on some variables, and its state would not carry over to the copies "
@@ -423,24 +424,57 @@ def stage_optimizers(optimizer, stages, devices) -> list:
     built on ("Unknown variable"), and one built on every stage counts S iterations per step,
     so Adam's bias correction, which reads that count, is wrong for every apply after the
     first (notebook 05 reproduces it).
+
+    A copy would clip by `global_clipnorm` over its own stage only: it is refused here, and
+    `Pipeline` clips over every stage (`clip_by_global_norm`) and gives the copies none.
     """
     check_optimizer(optimizer)
+    if optimizer.global_clipnorm is not None:
+        raise ValueError(
+            "global_clipnorm clips by the norm of the gradients of one apply, and each stage's copy sees only its own "
+            "stage: use Pipeline(optimizer=...), which clips over every stage, or clipnorm (per weight)."
+        )
     copies = []
     for stage, device in zip(stages, devices, strict=True):
         with tf.init_scope(), tf.device(device):  # its variables on the stage's device, even if traced
-            try:
-                copy = type(optimizer).from_config(optimizer.get_config())
-            except TypeError as err:
-                raise TypeError(
-                    f"cannot copy {type(optimizer).__name__} from its get_config() ({err}): give the class a "
-                    "get_config that returns every argument of its constructor."
-                ) from None
-            for name in ("_exclude_from_weight_decay", "_exclude_from_weight_decay_pattern"):
-                if hasattr(optimizer, name):  # PRIVATE Keras state that get_config leaves out
-                    setattr(copy, name, getattr(optimizer, name))
+            copy = _copy(optimizer, optimizer.get_config())
             copy.build(list(stage.trainable_variables))
         copies.append(copy)
     return copies
+
+
+def _copy(optimizer, config):
+    """A fresh optimizer of `optimizer`'s class from `config`, with its weight-decay exclusions."""
+    try:
+        copy = type(optimizer).from_config(config)
+    except TypeError as err:
+        raise TypeError(
+            f"cannot copy {type(optimizer).__name__} from its get_config() ({err}): give the class a "
+            "get_config that returns every argument of its constructor."
+        ) from None
+    for name in ("_exclude_from_weight_decay", "_exclude_from_weight_decay_pattern"):
+        if hasattr(optimizer, name):  # PRIVATE Keras state that get_config leaves out
+            setattr(copy, name, getattr(optimizer, name))
+    return copy
+
+
+def clip_by_global_norm(grads, clip_norm: float, devices):
+    """Every stage's gradients times clip_norm / max(norm, clip_norm), the norm taken over the
+    gradients of every stage: Keras's `global_clipnorm` (`clip_by_global_norm` in
+    keras/src/optimizers/base_optimizer.py) for gradients on S devices."""
+    squares = []  # each stage's sum of squares, on its own device: only S scalars move
+    for device, per_stage in zip(devices, grads, strict=True):
+        if per_stage:
+            with tf.device(device):
+                squares.append(tf.add_n([tf.reduce_sum(tf.square(tf.cast(g, tf.float32))) for g in per_stage]))
+    with tf.device(devices[0]):
+        norm = tf.sqrt(tf.add_n(squares))
+        scale = clip_norm * tf.minimum(1.0 / norm, 1.0 / clip_norm) + (norm - norm)  # NaN if the norm is, as Keras
+    clipped = []
+    for device, per_stage in zip(devices, grads, strict=True):
+        with tf.device(device):
+            clipped.append([g * tf.cast(scale, g.dtype) for g in per_stage])
+    return clipped
 
 
 def _refuse_keras_randomness(stages) -> None:
