@@ -883,3 +883,43 @@ def test_clip_by_global_norm_scales_every_stage_by_one_norm(devs):
     np.testing.assert_allclose([float(g[0]) for g in clipped[0] + clipped[1]], [0.6, 0.8, 0.0], atol=1e-6)
     unclipped = pipeline.clip_by_global_norm(grads, 10.0, devs[:3])
     np.testing.assert_allclose([float(g[0]) for g in unclipped[0] + unclipped[1]], [3.0, 4.0, 0.0], atol=1e-6)
+
+
+def test_a_checkpoint_resumes_training_as_if_never_stopped(devs, batch, tmp_path):
+    import keras
+
+    x, y = batch
+    batches = batches_of(x, y, 16)
+
+    def new_pipeline():  # with dropout: its masks follow the step counter, which must be restored too
+        return pipeline.Pipeline(
+            dropout_stages(devs[:3]), devs[:3], 4, schedule="1f1b", optimizer=keras.optimizers.Adam(1e-2)
+        )
+
+    first = new_pipeline()
+    first.train_steps(*zip(*batches[:2], strict=True))
+    path = first.checkpoint().save(str(tmp_path / "ckpt"))
+    later = [float(first.train_step(*b)) for b in batches[2:4]]
+
+    resumed = new_pipeline()
+    for v in resumed.variables:
+        v.assign(tf.zeros_like(v))  # nothing of the first run's weights is left but what is restored
+    resumed.checkpoint().restore(path).assert_consumed()
+    assert int(resumed.step) == 2 and [int(o.iterations) for o in resumed.optimizers] == [2, 2, 2]
+    np.testing.assert_allclose([float(resumed.train_step(*b)) for b in batches[2:4]], later, atol=1e-6)
+    for a, b in zip(resumed.variables, first.variables, strict=True):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), atol=1e-6)
+
+
+def test_a_checkpoint_of_optimizers_not_built_yet_is_refused(devs, batch):
+    import keras
+
+    x, y = batch
+    x = tf.reshape(x, [x.shape[0], -1])
+    with tf.device(devs[1]):
+        head = keras.Sequential([keras.layers.Dense(10)])  # no weights before its first call
+    pipe = pipeline.Pipeline([keras_stages(devs[:2])[0], head], devs[:2], 4, optimizer=keras.optimizers.Adam(1e-3))
+    with pytest.raises(RuntimeError, match="call pipeline.gradients"):
+        pipe.checkpoint()
+    pipe.gradients(x, y)
+    assert len(pipe.checkpoint().optimizers) == 2

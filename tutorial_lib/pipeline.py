@@ -159,9 +159,10 @@ class Pipeline:
     """Train `stages` (callables with `trainable_variables`), stage s on devices[s].
 
     The update is plain SGD with `learning_rate`, or a Keras `optimizer` (Adam, ...). The
-    optimizer given is a template: with the first batch the pipeline builds one copy of it
-    per stage, on the stage's device, and those copies (`self.optimizers`) are the ones that
-    step, and the ones to read, change or checkpoint.
+    optimizer given is a template: the pipeline builds one copy of it per stage, on the
+    stage's device (with the first batch if a Keras stage has no weights before it), and
+    those copies (`self.optimizers`) are the ones that step, and the ones to read or change.
+    `checkpoint()` saves and restores them with the weights and the step counter.
 
     `loss_fn(logits, labels)` must return the MEAN loss over its micro-batch (a scalar), as
     `models.cross_entropy` does: the step's loss is the mean of the M micro-batch losses,
@@ -198,7 +199,9 @@ class Pipeline:
             self.clip_norm = optimizer.global_clipnorm
             if self.clip_norm is not None:  # a copy would clip over its own stage only: the copies clip nothing
                 optimizer = _copy(optimizer, {**optimizer.get_config(), "global_clipnorm": None})
-        self._template, self.optimizers = optimizer, None  # built with the first batch: Keras stages build then
+        self._template, self.optimizers = optimizer, None
+        if optimizer is not None and all(_has_weights(stage) for stage in stages):  # else with the first batch
+            self.optimizers = stage_optimizers(optimizer, self.stages, self.devices)
         if recompute:
             _refuse_keras_randomness(stages)
         self._checked = None  # (shape, dtype) of the batches the stages were checked with
@@ -241,6 +244,17 @@ class Pipeline:
         """(loss, gradients of every stage's variables, in order), without an update."""
         x, y = self._checked_batch(x, y)
         return self._gradients(x, y)
+
+    def checkpoint(self) -> tf.train.Checkpoint:
+        """A `tf.train.Checkpoint` of all the state a step reads and writes, to save and restore
+        as one: the stages' weights, each stage's optimizer, and the step counter (it seeds the
+        dropout masks). Restoring the weights alone would restart Adam's moments and count."""
+        if self._template is not None and self.optimizers is None:
+            raise RuntimeError(
+                "the optimizers are built with the first batch, once every Keras stage has created its weights: call "
+                "pipeline.gradients(x, y) once (it changes nothing), then checkpoint()."
+            )
+        return tf.train.Checkpoint(stages=self.stages, optimizers=self.optimizers or [], step=self.step)
 
     @property
     def variables(self):
@@ -475,6 +489,11 @@ def clip_by_global_norm(grads, clip_norm: float, devices):
         with tf.device(device):
             clipped.append([g * tf.cast(scale, g.dtype) for g in per_stage])
     return clipped
+
+
+def _has_weights(stage) -> bool:
+    """False for a Keras layer or model that creates its weights at its first call."""
+    return not isinstance(stage, keras.Layer) or stage.built
 
 
 def _refuse_keras_randomness(stages) -> None:
