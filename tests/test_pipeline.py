@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tutorial_lib import data, models, pipeline, reference, timeline
+from tutorial_lib import data, devices, models, pipeline, reference, timeline
 
 
 @pytest.fixture(scope="module")
@@ -750,7 +750,7 @@ def test_each_stage_optimizer_lives_on_its_stage_device(devs, batch):
         slots = [v for v in optimizer.variables if v.name not in ("iteration", "learning_rate")]
         assert len(slots) == 2 * len(pipe.stages[s].trainable_variables)  # Adam: two moments per weight
         for v in optimizer.variables:
-            assert v.value.device.endswith(devs[s].split("/")[-1]), (s, v.name, v.value.device)
+            assert devices.normalize(v.value.device) == devs[s], (s, v.name, v.value.device)
 
 
 @pytest.mark.parametrize("optimizer", [None, "adam"])
@@ -835,6 +835,7 @@ def test_a_failed_step_leaves_the_optimizers_untouched(devs, batch):
         assert all(not np.any(v.numpy()) for v in optimizer.variables if v.name != "learning_rate")
 
 
+@pytest.mark.filterwarnings("ignore:The object being serialized includes a `lambda`")
 def test_the_update_rule_is_given_once_and_the_optimizer_is_one_the_stages_can_share_out(devs):
     import keras
 
@@ -855,6 +856,11 @@ def test_the_update_rule_is_given_once_and_the_optimizer_is_one_the_stages_can_s
         pipeline.Pipeline(stages, devs[:3], 2, optimizer=keras.optimizers.Adam(1e-3, loss_scale_factor=128.0))
     with pytest.raises(ValueError, match="loss scaling is not supported"):
         pipeline.Pipeline(stages, devs[:3], 2, optimizer=keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD()))
+    accumulating = keras.optimizers.Adam(1e-3, global_clipnorm=1.0, gradient_accumulation_steps=2)
+    with pytest.raises(ValueError, match="global_clipnorm with gradient_accumulation_steps"):
+        pipeline.Pipeline(stages, devs[:3], 2, optimizer=accumulating)
+    with pytest.raises(TypeError, match="not a lambda"):
+        pipeline.stage_optimizers(keras.optimizers.Adam(lambda: 1e-3), stages, devs[:3])
 
 
 def test_global_clipnorm_clips_by_the_norm_over_every_stage(devs, batch):
@@ -883,6 +889,9 @@ def test_clip_by_global_norm_scales_every_stage_by_one_norm(devs):
     np.testing.assert_allclose([float(g[0]) for g in clipped[0] + clipped[1]], [0.6, 0.8, 0.0], atol=1e-6)
     unclipped = pipeline.clip_by_global_norm(grads, 10.0, devs[:3])
     np.testing.assert_allclose([float(g[0]) for g in unclipped[0] + unclipped[1]], [3.0, 4.0, 0.0], atol=1e-6)
+    infinite = pipeline.clip_by_global_norm([[tf.constant([np.inf])], [tf.constant([1.0])]], 1.0, devs[:2])
+    assert np.isnan(float(infinite[1][0][0]))  # as Keras: a step on a norm that is not finite is NaN, not silent
+    assert pipeline.clip_by_global_norm([[], []], 1.0, devs[:2]) == [[], []]  # no stage has weights
 
 
 def test_a_checkpoint_resumes_training_as_if_never_stopped(devs, batch, tmp_path):
@@ -902,6 +911,7 @@ def test_a_checkpoint_resumes_training_as_if_never_stopped(devs, batch, tmp_path
     later = [float(first.train_step(*b)) for b in batches[2:4]]
 
     resumed = new_pipeline()
+    resumed.build(*batches[2])  # the optimizers exist from here
     for v in resumed.variables:
         v.assign(tf.zeros_like(v))  # nothing of the first run's weights is left but what is restored
     resumed.checkpoint().restore(path).assert_consumed()
@@ -911,15 +921,64 @@ def test_a_checkpoint_resumes_training_as_if_never_stopped(devs, batch, tmp_path
         np.testing.assert_allclose(a.numpy(), b.numpy(), atol=1e-6)
 
 
-def test_a_checkpoint_of_optimizers_not_built_yet_is_refused(devs, batch):
+def lazy_keras_stages(devices=None):
+    """keras_stages with a head that has no Input: Keras creates its weights at its first call."""
+    import keras
+
+    first = keras_stages(devices)[0]
+    with tf.device(devices[1]) if devices else contextlib.nullcontext():
+        head = keras.Sequential([keras.layers.Dense(10, kernel_initializer=keras.initializers.GlorotUniform(7))])
+    return [first, head]
+
+
+def test_a_checkpoint_before_the_optimizers_exist_is_refused_and_build_makes_them(devs, batch, tmp_path):
     import keras
 
     x, y = batch
     x = tf.reshape(x, [x.shape[0], -1])
-    with tf.device(devs[1]):
-        head = keras.Sequential([keras.layers.Dense(10)])  # no weights before its first call
-    pipe = pipeline.Pipeline([keras_stages(devs[:2])[0], head], devs[:2], 4, optimizer=keras.optimizers.Adam(1e-3))
-    with pytest.raises(RuntimeError, match="call pipeline.gradients"):
-        pipe.checkpoint()
-    pipe.gradients(x, y)
-    assert len(pipe.checkpoint().optimizers) == 2
+
+    def new_pipeline():
+        return pipeline.Pipeline(lazy_keras_stages(devs[:2]), devs[:2], 4, optimizer=keras.optimizers.Adam(1e-3))
+
+    first = new_pipeline()
+    with pytest.raises(RuntimeError, match="call pipeline.build"):
+        first.checkpoint()
+    first.train_step(x, y)
+    path = first.checkpoint().save(str(tmp_path / "ckpt"))
+    resumed = new_pipeline()
+    resumed.build(x, y)
+    assert int(resumed.step) == 0 and [int(o.iterations) for o in resumed.optimizers] == [0, 0]  # build changes nothing
+    resumed.checkpoint().restore(path).assert_consumed()
+    np.testing.assert_allclose(resumed.train_step(x, y), first.train_step(x, y), atol=1e-6)
+    assert resumed.checkpoint() is resumed.checkpoint()  # one object: its saves count on (ckpt-1, ckpt-2, ...)
+
+
+def test_a_checkpoint_keeps_the_keras_dropout_seed(devs, batch, tmp_path):
+    import keras
+
+    x, y = batch
+    x = tf.reshape(x, [x.shape[0], -1])
+
+    def new_pipeline():
+        return pipeline.Pipeline(
+            keras_stages(devs[:2], dropout=0.5), devs[:2], 4, optimizer=keras.optimizers.Adam(1e-2)
+        )
+
+    first = new_pipeline()
+    first.train_step(x, y)
+    path = first.checkpoint().save(str(tmp_path / "ckpt"))
+    later = [float(first.train_step(x, y)) for _ in range(2)]
+    resumed = new_pipeline()
+    resumed.build(x, y)
+    resumed.checkpoint().restore(path).assert_consumed()
+    np.testing.assert_allclose([float(resumed.train_step(x, y)) for _ in range(2)], later, atol=1e-6)
+
+
+def test_a_variable_shared_by_two_stages_is_refused_with_an_optimizer(devs):
+    import keras
+
+    shared = models.Dense(32, 32, seed=1)
+    stages = [models.Sequential([models.Flatten(), models.Dense(64, 32, seed=0), shared]), shared]
+    with pytest.raises(ValueError, match="belongs to stages 0 and 1"):
+        pipeline.Pipeline(stages, devs[:2], 2, optimizer=keras.optimizers.Adam(1e-3))
+    pipeline.Pipeline(stages, devs[:2], 2, learning_rate=0.1)  # plain SGD adds the two updates, as one device does

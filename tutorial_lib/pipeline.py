@@ -159,10 +159,11 @@ class Pipeline:
     """Train `stages` (callables with `trainable_variables`), stage s on devices[s].
 
     The update is plain SGD with `learning_rate`, or a Keras `optimizer` (Adam, ...). The
-    optimizer given is a template: the pipeline builds one copy of it per stage, on the
-    stage's device (with the first batch if a Keras stage has no weights before it), and
-    those copies (`self.optimizers`) are the ones that step, and the ones to read or change.
-    `checkpoint()` saves and restores them with the weights and the step counter.
+    optimizer given is a template: with the first batch (or `build(x, y)`) the pipeline
+    builds one copy of it per stage, on the stage's device, and those copies
+    (`self.optimizers`) are the ones that step. A float learning rate is a variable of each
+    copy and can be changed there; other settings are fixed once a step is traced.
+    `checkpoint()` saves and restores the copies with the weights and the step counter.
 
     `loss_fn(logits, labels)` must return the MEAN loss over its micro-batch (a scalar), as
     `models.cross_entropy` does: the step's loss is the mean of the M micro-batch losses,
@@ -196,12 +197,12 @@ class Pipeline:
         self.clip_norm = None  # global_clipnorm, applied here over every stage
         if optimizer is not None:
             check_optimizer(optimizer)
-            self.clip_norm = optimizer.global_clipnorm
-            if self.clip_norm is not None:  # a copy would clip over its own stage only: the copies clip nothing
-                optimizer = _copy(optimizer, {**optimizer.get_config(), "global_clipnorm": None})
-        self._template, self.optimizers = optimizer, None
-        if optimizer is not None and all(_has_weights(stage) for stage in stages):  # else with the first batch
-            self.optimizers = stage_optimizers(optimizer, self.stages, self.devices)
+            _refuse_shared_variables(stages)
+            if optimizer.global_clipnorm:  # a copy would clip over its own stage only: the copies clip nothing
+                self.clip_norm = optimizer.global_clipnorm
+                with tf.init_scope():
+                    optimizer = _copy(optimizer, {**optimizer.get_config(), "global_clipnorm": None})
+        self._template, self.optimizers, self._checkpoint = optimizer, None, None  # built by `build`
         if recompute:
             _refuse_keras_randomness(stages)
         self._checked = None  # (shape, dtype) of the batches the stages were checked with
@@ -245,16 +246,29 @@ class Pipeline:
         x, y = self._checked_batch(x, y)
         return self._gradients(x, y)
 
+    def build(self, x, y) -> None:
+        """Check a batch as the first step does, and build what the first step builds: a Keras
+        stage's weights (if it creates them at its first call) and the optimizers. Runs every
+        stage once in inference mode on one micro-batch: no weight, statistic or step changes."""
+        self._checked_batch(x, y)
+
     def checkpoint(self) -> tf.train.Checkpoint:
-        """A `tf.train.Checkpoint` of all the state a step reads and writes, to save and restore
-        as one: the stages' weights, each stage's optimizer, and the step counter (it seeds the
-        dropout masks). Restoring the weights alone would restart Adam's moments and count."""
+        """One `tf.train.Checkpoint` (the same object at every call, so that its saves count on)
+        of all the state a step reads and writes: the stages' weights, each stage's optimizer,
+        the step counter (which seeds `pipeline.Dropout`'s masks) and the random state of Keras
+        layers (Keras `Dropout`'s seed). Restoring the weights alone would restart Adam's
+        moments and count, and draw other dropout masks."""
         if self._template is not None and self.optimizers is None:
             raise RuntimeError(
-                "the optimizers are built with the first batch, once every Keras stage has created its weights: call "
-                "pipeline.gradients(x, y) once (it changes nothing), then checkpoint()."
+                "the optimizers are built with the first batch: call pipeline.build(x, y) with a batch (it changes "
+                "nothing), or run a step, before checkpoint()."
             )
-        return tf.train.Checkpoint(stages=self.stages, optimizers=self.optimizers or [], step=self.step)
+        if self._checkpoint is None:
+            keras_state = [v for stage in self.stages if isinstance(stage, keras.Layer) for v in stage.variables]
+            self._checkpoint = tf.train.Checkpoint(
+                stages=self.stages, optimizers=self.optimizers or [], step=self.step, keras_state=keras_state
+            )
+        return self._checkpoint
 
     @property
     def variables(self):
@@ -422,6 +436,11 @@ def check_optimizer(optimizer) -> None:
             "loss scaling is not supported: the pipeline does not scale the loss, and each stage's copy would check "
             "only its own gradients for overflow and could skip its update while the other stages apply theirs."
         )
+    if optimizer.global_clipnorm and optimizer.gradient_accumulation_steps:
+        raise ValueError(
+            "global_clipnorm with gradient_accumulation_steps is not supported: Keras clips the accumulated "
+            "gradients, and the pipeline clips each step's gradients before the copies accumulate them."
+        )
     if optimizer.built:
         raise ValueError(
             "this optimizer is already built on some variables, and its state would not carry over to the copies "
@@ -443,7 +462,7 @@ def stage_optimizers(optimizer, stages, devices) -> list:
     `Pipeline` clips over every stage (`clip_by_global_norm`) and gives the copies none.
     """
     check_optimizer(optimizer)
-    if optimizer.global_clipnorm is not None:
+    if optimizer.global_clipnorm:
         raise ValueError(
             "global_clipnorm clips by the norm of the gradients of one apply, and each stage's copy sees only its own "
             "stage: use Pipeline(optimizer=...), which clips over every stage, or clipnorm (per weight)."
@@ -461,10 +480,12 @@ def _copy(optimizer, config):
     """A fresh optimizer of `optimizer`'s class from `config`, with its weight-decay exclusions."""
     try:
         copy = type(optimizer).from_config(config)
-    except TypeError as err:
+    except (TypeError, ValueError) as err:
         raise TypeError(
-            f"cannot copy {type(optimizer).__name__} from its get_config() ({err}): give the class a "
-            "get_config that returns every argument of its constructor."
+            f"cannot make one copy of {type(optimizer).__name__} per stage from its get_config() ({err}). Give a "
+            "custom optimizer a get_config that returns every argument of its constructor, and a learning rate "
+            "that is a number or a registered LearningRateSchedule (keras.saving.register_keras_serializable), "
+            "not a lambda."
         ) from None
     for name in ("_exclude_from_weight_decay", "_exclude_from_weight_decay_pattern"):
         if hasattr(optimizer, name):  # PRIVATE Keras state that get_config leaves out
@@ -475,12 +496,15 @@ def _copy(optimizer, config):
 def clip_by_global_norm(grads, clip_norm: float, devices):
     """Every stage's gradients times clip_norm / max(norm, clip_norm), the norm taken over the
     gradients of every stage: Keras's `global_clipnorm` (`clip_by_global_norm` in
-    keras/src/optimizers/base_optimizer.py) for gradients on S devices."""
+    keras/src/optimizers/base_optimizer.py) for gradients on S devices, except that the norm is
+    taken in float32 whatever the gradients' dtype."""
     squares = []  # each stage's sum of squares, on its own device: only S scalars move
     for device, per_stage in zip(devices, grads, strict=True):
         if per_stage:
             with tf.device(device):
                 squares.append(tf.add_n([tf.reduce_sum(tf.square(tf.cast(g, tf.float32))) for g in per_stage]))
+    if not squares:  # no stage has weights: nothing to clip
+        return [list(per_stage) for per_stage in grads]
     with tf.device(devices[0]):
         norm = tf.sqrt(tf.add_n(squares))
         scale = clip_norm * tf.minimum(1.0 / norm, 1.0 / clip_norm) + (norm - norm)  # NaN if the norm is, as Keras
@@ -491,9 +515,19 @@ def clip_by_global_norm(grads, clip_norm: float, devices):
     return clipped
 
 
-def _has_weights(stage) -> bool:
-    """False for a Keras layer or model that creates its weights at its first call."""
-    return not isinstance(stage, keras.Layer) or stage.built
+def _refuse_shared_variables(stages) -> None:
+    """A variable in two stages would get two optimizer copies, each with its own state, and
+    two updates per step: one optimizer on one device updates it once, from both gradients."""
+    owner = {}  # id of a variable (alive: its stage holds it) -> the first stage that has it
+    for s, stage in enumerate(stages):
+        for v in stage.trainable_variables:
+            first = owner.setdefault(id(v), s)
+            if first != s:
+                raise ValueError(
+                    f"the variable {v.name!r} belongs to stages {first} and {s}: with an optimizer per stage it would "
+                    "be updated twice per step, with two states. Give each stage its own variables, or use "
+                    "learning_rate (plain SGD adds the two updates, as one device does)."
+                )
 
 
 def _refuse_keras_randomness(stages) -> None:
