@@ -1,5 +1,7 @@
 import contextlib
 import itertools
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -490,7 +492,7 @@ def test_bench_rows_compare_with_the_naive_split(devs):
     by_name = {r["variant"]: r for r in rows}
     assert list(by_name)[:3] == ["naive split", "gpipe, M=4", "1f1b, M=4"]
     assert {"gpipe, M=1", "gpipe, M=2", "gpipe, M=4, recompute", "gpipe, M=4, 2 steps, StagedInput"} <= set(by_name)
-    assert {"data parallel, ring", "stage 0 alone, M=1", "stage 1 alone, M=4"} <= set(by_name)
+    assert {"data parallel, ring", "stage 0 alone, M=1", "stage 1 alone, M=4", "stages together, M=4"} <= set(by_name)
     assert all(r["case"] == "pipeline" and r["ms"] > 0 for r in rows)
     assert by_name["naive split"]["speedup_vs_naive"] == 1
     assert all(by_name[v]["controller_cores"] >= 0 for v in ("naive split", "1f1b, M=4", "data parallel, ring"))
@@ -515,7 +517,7 @@ def test_bench_rows_compare_with_the_naive_split(devs):
     gap = bench.gap_parts(rows, "1f1b, M=4")
     assert gap["gap_ms"] == pytest.approx(gap["measured_ms"] - by_name["naive split"]["ms"] * 5 / 8)
     parts = [v for k, v in gap.items() if k not in ("measured_ms", "ideal_ms", "gap_ms")]
-    assert len(parts) == 7 and sum(parts) == pytest.approx(gap["gap_ms"])
+    assert len(parts) == 8 and sum(parts) == pytest.approx(gap["gap_ms"])
     assert list(memory) == ["sequential, M=4", "gpipe, M=4", "1f1b, M=4", "gpipe, M=4, recompute"]
     for r in memory.values():
         assert r["stash_measured"] == r["stash_bound"]  # read from the traced run
@@ -543,6 +545,7 @@ def test_gap_parts_from_known_times():
         r("stage 1 alone, M=1", 90.0, part="stage alone", stage=1, m=1),
         r("stage 0 alone, M=4", 94.0, part="stage alone", stage=0, m=4),
         r("stage 1 alone, M=4", 98.0, part="stage alone", stage=1, m=4),
+        r("stages together, M=4", 106.0, part="stages together", m=4),
     ]
     with pytest.raises(ValueError, match="timed alone at M = \\[1, 4\\], not at 2"):
         bench.gap_parts([*rows, r("gpipe, M=2", 160.0, micro_batches=2)], "gpipe, M=2")
@@ -551,6 +554,8 @@ def test_gap_parts_from_known_times():
     idle = r("gpipe, M=4", 150.0, micro_batches=4, bubble_measured=1.0, bubble_parts=parts)
     with pytest.raises(ValueError, match="no busy time to split"):
         bench.gap_parts([*rows, idle], "gpipe, M=4")
+    with pytest.raises(ValueError, match="not timed together at M = 4"):
+        bench.gap_parts(rows[:-1], "1f1b, M=4")
     gap = bench.gap_parts(rows, "1f1b, M=4")
     fill = 5 / 4  # 1 / (1 - the formula's 0.2)
     busy = 150 * 0.6  # the pacing stage's busy share of the timed step
@@ -560,7 +565,8 @@ def test_gap_parts_from_known_times():
             (180 - 200) * fill / 2,  # the naive split's 20 ms of transfers and call
             (192 - 180) * fill / 2,  # micro-batching
             98 * fill - 192 * fill / 2,  # the slower stage sets the pace
-            (busy - 98) * fill,  # both at once: here the pacing stage ran faster than alone
+            (106 - 98) * fill,  # the stages slow each other down even with no hand-off
+            (busy - 106) * fill,  # hand-offs' CPU: here the pacing stage ran faster than both at once
             busy / 0.75 - busy * fill,  # the schedule's 25 % idle, not the formula's 20 %
             busy / 0.7 - busy / 0.75,  # gaps inside ops
             150 - busy / 0.7,  # the rest of the idle share: the model is now the timed step
@@ -945,6 +951,49 @@ def test_a_checkpoint_before_the_optimizers_exist_is_refused_and_build_makes_the
     resumed.checkpoint().restore(path).assert_consumed()
     np.testing.assert_allclose(resumed.train_step(x, y), first.train_step(x, y), atol=1e-6)
     assert resumed.checkpoint() is resumed.checkpoint()  # one object: its saves count on (ckpt-1, ckpt-2, ...)
+
+
+def test_two_threads_first_calls_build_one_set_of_optimizers(devs, batch, monkeypatch):
+    import keras
+
+    x, y = batch
+    x = tf.reshape(x, [x.shape[0], -1])
+    pipe = pipeline.Pipeline(lazy_keras_stages(devs[:2]), devs[:2], 4, optimizer=keras.optimizers.Adam(1e-3))
+    built, build = [], pipeline.stage_optimizers
+
+    def slow_build(*args):  # long enough for the second thread to arrive while the first builds
+        time.sleep(0.3)
+        built.append(build(*args))
+        return built[-1]
+
+    monkeypatch.setattr(pipeline, "stage_optimizers", slow_build)
+    errors = []
+
+    def first_call():
+        try:
+            pipe.build(x, y)
+        except Exception as err:  # an error in a thread would otherwise pass unseen
+            errors.append(err)
+
+    threads = [threading.Thread(target=first_call) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads) and not errors
+    assert len(built) == 1 and pipe.optimizers is built[0]
+
+
+def test_batches_of_alternating_shapes_are_checked_once_each(devs, batch, monkeypatch):
+    x, y = batch
+    pipe = pipeline.Pipeline(mlp_stages(devs[:3]), devs[:3], 4, learning_rate=0.1)
+    dry_runs, dry_run = [], pipe._dry_run
+    monkeypatch.setattr(pipe, "_dry_run", lambda x, y: dry_runs.append(tuple(x.shape)) or dry_run(x, y))
+    flat = tf.reshape(x, [x.shape[0], -1])
+    for _ in range(3):
+        pipe.gradients(flat[:32], y[:32])
+        pipe.gradients(flat[:16], y[:16])
+    assert dry_runs == [(32, 64), (16, 64)]
 
 
 def test_a_checkpoint_keeps_the_keras_dropout_seed(devs, batch, tmp_path):

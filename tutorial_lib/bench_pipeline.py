@@ -11,7 +11,8 @@ stages do equal work (`balanced_stages`), every batch resident where it is used:
 - "data parallel, ring": each device a full replica on its half of the batch, gradients
   averaged by ring all-reduce (`data_parallel_step`);
 - for the parts of the gap (`gap_parts`): each stage alone on its device (the whole batch,
-  then M micro-batches); the rest of the parts come from the traced steps.
+  then M micro-batches), and every stage at once on M micro-batches with no hand-off; the
+  rest of the parts come from the traced steps.
 
 `memory_rows(devs)` reads each schedule's stash from a profiler trace of a step and turns
 it into bytes of kept activations.
@@ -141,19 +142,30 @@ def _stage_work(stages, s, micro_batches):
 
 
 def _gap_variants(stages, devs, inputs, micro_batches):
-    """Timed functions for `gap_parts`: each stage alone on its device, at M = 1 and at M."""
+    """Timed functions for `gap_parts`: each stage alone on its device, at M = 1 and at M, and
+    every stage's work at M at the same time, each on its device, none waiting for another."""
     import tensorflow as tf
+
+    def on_devices(works):
+        outs = []
+        for s, work in works.items():
+            with tf.device(devs[s]):
+                outs.append(work(*inputs[s])[0])
+        return outs
 
     variants = {}
     for s in range(len(stages)):
         for m in sorted({1, micro_batches}):
-            work = _stage_work(stages, s, m)
-
-            def alone(work=work, s=s):
-                with tf.device(devs[s]):
-                    return work(*inputs[s])[0]
-
-            variants[f"stage {s} alone, M={m}"] = (tf.function(alone), {"part": "stage alone", "stage": s, "m": m})
+            work = {s: _stage_work(stages, s, m)}
+            variants[f"stage {s} alone, M={m}"] = (
+                tf.function(lambda work=work: on_devices(work)),
+                {"part": "stage alone", "stage": s, "m": m},
+            )
+    every = {s: _stage_work(stages, s, micro_batches) for s in range(len(stages))}
+    variants[f"stages together, M={micro_batches}"] = (
+        tf.function(lambda: on_devices(every)),
+        {"part": "stages together", "m": micro_batches},
+    )
     return {name: (lambda *_, fn=fn: fn(), info) for name, (fn, info) in variants.items()}
 
 
@@ -163,7 +175,8 @@ def gap_parts(rows, variant: str) -> dict[str, float]:
 
     Each part is the change from one model of the step to the next, every model built from
     measurements of the same run: t_s(m), stage s timed alone on its device at m micro-batches,
-    and the traced steps of `variant` (`idle_shares`), read for the stage that sets the pace:
+    t_all(M), every stage's work at M timed at once (each on its device, none waiting for
+    another), and the traced steps of `variant` (`idle_shares`), read for the stage that sets the pace:
     its busy share and the parts of its idle share (`bubble_parts`). The profiler slows the
     steps it traces, so the traced shares are applied to the timed step: b, the pacing
     stage's busy time, is its busy share of the timed step.
@@ -171,11 +184,14 @@ def gap_parts(rows, variant: str) -> dict[str, float]:
        the ideal with only the stages' compute, Σ_s t_s(1), in place of t_naive;
     2. micro-batching: Σ_s t_s(M) in place of Σ_s t_s(1) (M small products against one);
     3. imbalance: the slowest stage sets the pace, S max_s t_s(M) in place of Σ_s t_s(M);
-    4. both devices at once: b in place of the slowest stage alone (its ops run slower next to
-       the other stage's work and the transfers: shared cores, caches and memory);
-    5. the schedule with this run's op times: its idle share in place of the formula's;
-    6. gaps inside ops: the executor going from one op to the next;
-    7. the rest of the idle share: waiting for hand-offs and for the update; with it, the
+    4. sharing the machine: S t_all(M) in place of S max_s t_s(M) (with no hand-off, the
+       stages' ops run slower next to each other: the cores share caches and memory);
+    5. hand-offs' CPU work: b in place of t_all(M) (in the step the ops also run beside the
+       transfers, which on core devices take CPU time on both sides, and beside the executor's
+       waits);
+    6. the schedule with this run's op times: its idle share in place of the formula's;
+    7. gaps inside ops: the executor going from one op to the next;
+    8. the rest of the idle share: waiting for hand-offs and for the update; with it, the
        model is the timed step.
     """
     rows = [r for r in rows if r.get("case", "pipeline") == "pipeline"]  # not the memory rows' names
@@ -187,6 +203,9 @@ def gap_parts(rows, variant: str) -> dict[str, float]:
         raise ValueError(
             f"{variant!r}: the stages were timed alone at M = {sorted({m for _, m in alone})}, not at {M}."
         )
+    together = {r["m"]: r["ms"] for r in rows if r.get("part") == "stages together"}
+    if M not in together:
+        raise ValueError(f"{variant!r}: the stages were not timed together at M = {M} (variant 'stages together').")
     if "bubble_parts" not in row_:
         raise ValueError(f"{variant!r} has no traced steps (bubble_parts): only the plain schedules are traced.")
     parts = row_["bubble_parts"]
@@ -200,6 +219,7 @@ def gap_parts(rows, variant: str) -> dict[str, float]:
         sum(alone[s, 1] for s in range(S)) * fill / S,
         sum(alone[s, M] for s in range(S)) * fill / S,
         max(alone[s, M] for s in range(S)) * fill,
+        together[M] * fill,
         busy * fill,
         busy / (1 - parts["schedule"]),
         busy / (1 - parts["schedule"] - parts["inside ops"]),
@@ -209,7 +229,8 @@ def gap_parts(rows, variant: str) -> dict[str, float]:
         "naive's transfers and call (the formula divides them)",
         "micro-batching (M small products, not one)",
         "imbalance (the slowest stage sets the pace)",
-        "both devices at once (ops slowed by the other stage and the transfers)",
+        "sharing the machine (every stage at once, no hand-offs)",
+        "hand-offs' CPU work (ops slowed by the transfers in the step)",
         "the schedule with this run's op times, not the formula's",
         "gaps inside ops (the executor between two ops)",
         "the rest: waiting for hand-offs and for the update",

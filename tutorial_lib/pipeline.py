@@ -205,7 +205,8 @@ class Pipeline:
         self._template, self.optimizers, self._checkpoint = optimizer, None, None  # built by `build`
         if recompute:
             _refuse_keras_randomness(stages)
-        self._checked = None  # (shape, dtype) of the batches the stages were checked with
+        self._checked = set()  # (shapes, dtypes) of the batches the stages were checked with
+        self._building = threading.Lock()  # one thread checks a new shape and builds the optimizers
         with tf.init_scope(), tf.device(self.devices[0]):  # the step number seeds dropout masks
             self.step = tf.Variable(0, dtype=tf.int64, trainable=False, name="pipeline_step")
         self._train = tf.function(lambda x, y: self._train_steps([x], [y])[0], autograph=False)
@@ -397,13 +398,16 @@ class Pipeline:
                 f"micro-batches. Use a batch size that is a multiple of {M}, or batch with drop_remainder=True."
             )
         key = (tuple(x.shape), x.dtype, tuple(y.shape), y.dtype)
-        if self._checked != key:
-            check_labels(self.loss_fn, y)
-            with tf.init_scope():  # eager even inside a user's tf.function
-                self._dry_run(x, y)
-                if self._template is not None and self.optimizers is None:  # every stage's weights exist now
-                    self.optimizers = stage_optimizers(self._template, self.stages, self.devices)
-            self._checked = key
+        if key in self._checked:
+            return x, y
+        with self._building:  # two threads' first calls would otherwise build two sets of optimizers
+            if key not in self._checked:
+                check_labels(self.loss_fn, y)
+                with tf.init_scope():  # eager even inside a user's tf.function
+                    self._dry_run(x, y)
+                    if self._template is not None and self.optimizers is None:  # every stage's weights exist now
+                        self.optimizers = stage_optimizers(self._template, self.stages, self.devices)
+                self._checked.add(key)
         return x, y
 
     def _dry_run(self, x, y) -> None:
