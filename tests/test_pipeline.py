@@ -484,7 +484,13 @@ def test_bench_rows_compare_with_the_naive_split(devs):
     schedules = ["gpipe, M=4", "1f1b, M=4"]
     assert [line.split(":")[0] for line in lines] == [
         f"pipeline {v}"
-        for v in [schedules[0], schedules[0], schedules[1], schedules[1], "data parallel, ring", *schedules]
+        for v in [
+            *[schedules[0]] * 2,
+            *[schedules[1]] * 2,
+            "data parallel, ring",
+            *schedules,
+            "stages together, M=4",
+        ]
     ]
     assert "bubble" in lines[1] and "schedule" in lines[1] and "inside ops" in lines[1] and "rest" in lines[1]
     memory = {r["variant"]: r for r in rows if r["case"] == "pipeline memory"}
@@ -517,7 +523,7 @@ def test_bench_rows_compare_with_the_naive_split(devs):
     gap = bench.gap_parts(rows, "1f1b, M=4")
     assert gap["gap_ms"] == pytest.approx(gap["measured_ms"] - by_name["naive split"]["ms"] * 5 / 8)
     parts = [v for k, v in gap.items() if k not in ("measured_ms", "ideal_ms", "gap_ms")]
-    assert len(parts) == 8 and sum(parts) == pytest.approx(gap["gap_ms"])
+    assert len(parts) == 7 and sum(parts) == pytest.approx(gap["gap_ms"])
     assert list(memory) == ["sequential, M=4", "gpipe, M=4", "1f1b, M=4", "gpipe, M=4, recompute"]
     for r in memory.values():
         assert r["stash_measured"] == r["stash_bound"]  # read from the traced run
@@ -531,7 +537,7 @@ def test_bench_rows_compare_with_the_naive_split(devs):
 
 
 def test_gap_parts_from_known_times():
-    from tutorial_lib import bench
+    from tutorial_lib import bench, bench_pipeline
 
     def r(variant, ms, **info):
         return {"variant": variant, "ms": ms, "devices": 2, **info}
@@ -547,6 +553,9 @@ def test_gap_parts_from_known_times():
         r("stage 1 alone, M=4", 98.0, part="stage alone", stage=1, m=4),
         r("stages together, M=4", 106.0, part="stages together", m=4),
     ]
+    assert bench_pipeline.sharing_slowdown(rows, 4) == pytest.approx(106 / 98 - 1)
+    with pytest.raises(ValueError, match="not timed alone and together at M = 2"):
+        bench_pipeline.sharing_slowdown(rows, 2)
     with pytest.raises(ValueError, match="timed alone at M = \\[1, 4\\], not at 2"):
         bench.gap_parts([*rows, r("gpipe, M=2", 160.0, micro_batches=2)], "gpipe, M=2")
     with pytest.raises(ValueError, match="has no traced steps"):
@@ -554,8 +563,6 @@ def test_gap_parts_from_known_times():
     idle = r("gpipe, M=4", 150.0, micro_batches=4, bubble_measured=1.0, bubble_parts=parts)
     with pytest.raises(ValueError, match="no busy time to split"):
         bench.gap_parts([*rows, idle], "gpipe, M=4")
-    with pytest.raises(ValueError, match="not timed together at M = 4"):
-        bench.gap_parts(rows[:-1], "1f1b, M=4")
     gap = bench.gap_parts(rows, "1f1b, M=4")
     fill = 5 / 4  # 1 / (1 - the formula's 0.2)
     busy = 150 * 0.6  # the pacing stage's busy share of the timed step
@@ -565,8 +572,7 @@ def test_gap_parts_from_known_times():
             (180 - 200) * fill / 2,  # the naive split's 20 ms of transfers and call
             (192 - 180) * fill / 2,  # micro-batching
             98 * fill - 192 * fill / 2,  # the slower stage sets the pace
-            (106 - 98) * fill,  # the stages slow each other down even with no hand-off
-            (busy - 106) * fill,  # hand-offs' CPU: here the pacing stage ran faster than both at once
+            (busy - 98) * fill,  # both at once: here the pacing stage ran faster than alone
             busy / 0.75 - busy * fill,  # the schedule's 25 % idle, not the formula's 20 %
             busy / 0.7 - busy / 0.75,  # gaps inside ops
             150 - busy / 0.7,  # the rest of the idle share: the model is now the timed step

@@ -11,8 +11,9 @@ stages do equal work (`balanced_stages`), every batch resident where it is used:
 - "data parallel, ring": each device a full replica on its half of the batch, gradients
   averaged by ring all-reduce (`data_parallel_step`);
 - for the parts of the gap (`gap_parts`): each stage alone on its device (the whole batch,
-  then M micro-batches), and every stage at once on M micro-batches with no hand-off; the
-  rest of the parts come from the traced steps.
+  then M micro-batches); the rest of the parts come from the traced steps. And every
+  stage's work at M at once, each on its device with no hand-off ("stages together"): how
+  much the stages slow each other down by sharing the machine alone.
 
 `memory_rows(devs)` reads each schedule's stash from a profiler trace of a step and turns
 it into bytes of kept activations.
@@ -142,8 +143,9 @@ def _stage_work(stages, s, micro_batches):
 
 
 def _gap_variants(stages, devs, inputs, micro_batches):
-    """Timed functions for `gap_parts`: each stage alone on its device, at M = 1 and at M, and
-    every stage's work at M at the same time, each on its device, none waiting for another."""
+    """Timed functions for `gap_parts`: each stage alone on its device, at M = 1 and at M; and
+    every stage's work at M at the same time, each on its device, none waiting for another
+    (`sharing_slowdown`)."""
     import tensorflow as tf
 
     def on_devices(works):
@@ -175,8 +177,7 @@ def gap_parts(rows, variant: str) -> dict[str, float]:
 
     Each part is the change from one model of the step to the next, every model built from
     measurements of the same run: t_s(m), stage s timed alone on its device at m micro-batches,
-    t_all(M), every stage's work at M timed at once (each on its device, none waiting for
-    another), and the traced steps of `variant` (`idle_shares`), read for the stage that sets the pace:
+    and the traced steps of `variant` (`idle_shares`), read for the stage that sets the pace:
     its busy share and the parts of its idle share (`bubble_parts`). The profiler slows the
     steps it traces, so the traced shares are applied to the timed step: b, the pacing
     stage's busy time, is its busy share of the timed step.
@@ -184,14 +185,11 @@ def gap_parts(rows, variant: str) -> dict[str, float]:
        the ideal with only the stages' compute, Σ_s t_s(1), in place of t_naive;
     2. micro-batching: Σ_s t_s(M) in place of Σ_s t_s(1) (M small products against one);
     3. imbalance: the slowest stage sets the pace, S max_s t_s(M) in place of Σ_s t_s(M);
-    4. sharing the machine: S t_all(M) in place of S max_s t_s(M) (with no hand-off, the
-       stages' ops run slower next to each other: the cores share caches and memory);
-    5. hand-offs' CPU work: b in place of t_all(M) (in the step the ops also run beside the
-       transfers, which on core devices take CPU time on both sides, and beside the executor's
-       waits);
-    6. the schedule with this run's op times: its idle share in place of the formula's;
-    7. gaps inside ops: the executor going from one op to the next;
-    8. the rest of the idle share: waiting for hand-offs and for the update; with it, the
+    4. both devices at once: b in place of the slowest stage alone (its ops run slower next to
+       the other stage's work and the transfers: shared cores, caches and memory);
+    5. the schedule with this run's op times: its idle share in place of the formula's;
+    6. gaps inside ops: the executor going from one op to the next;
+    7. the rest of the idle share: waiting for hand-offs and for the update; with it, the
        model is the timed step.
     """
     rows = [r for r in rows if r.get("case", "pipeline") == "pipeline"]  # not the memory rows' names
@@ -203,9 +201,6 @@ def gap_parts(rows, variant: str) -> dict[str, float]:
         raise ValueError(
             f"{variant!r}: the stages were timed alone at M = {sorted({m for _, m in alone})}, not at {M}."
         )
-    together = {r["m"]: r["ms"] for r in rows if r.get("part") == "stages together"}
-    if M not in together:
-        raise ValueError(f"{variant!r}: the stages were not timed together at M = {M} (variant 'stages together').")
     if "bubble_parts" not in row_:
         raise ValueError(f"{variant!r} has no traced steps (bubble_parts): only the plain schedules are traced.")
     parts = row_["bubble_parts"]
@@ -219,7 +214,6 @@ def gap_parts(rows, variant: str) -> dict[str, float]:
         sum(alone[s, 1] for s in range(S)) * fill / S,
         sum(alone[s, M] for s in range(S)) * fill / S,
         max(alone[s, M] for s in range(S)) * fill,
-        together[M] * fill,
         busy * fill,
         busy / (1 - parts["schedule"]),
         busy / (1 - parts["schedule"] - parts["inside ops"]),
@@ -229,8 +223,7 @@ def gap_parts(rows, variant: str) -> dict[str, float]:
         "naive's transfers and call (the formula divides them)",
         "micro-batching (M small products, not one)",
         "imbalance (the slowest stage sets the pace)",
-        "sharing the machine (every stage at once, no hand-offs)",
-        "hand-offs' CPU work (ops slowed by the transfers in the step)",
+        "both devices at once (ops slowed by the other stage and the transfers)",
         "the schedule with this run's op times, not the formula's",
         "gaps inside ops (the executor between two ops)",
         "the rest: waiting for hand-offs and for the update",
@@ -241,6 +234,17 @@ def gap_parts(rows, variant: str) -> dict[str, float]:
         "gap_ms": row_["ms"] - ideal,
         **{name: b - a for name, a, b in zip(names, models[:-1], models[1:], strict=True)},
     }
+
+
+def sharing_slowdown(rows, micro_batches: int) -> float:
+    """How much slower every stage's work at M ran all at once, each on its device with no
+    hand-off ("stages together"), than the slowest stage alone: the cost of sharing the
+    machine's caches and memory, which part 4 of `gap_parts` includes. 0.1 is 10% slower."""
+    together = [r["ms"] for r in rows if r.get("part") == "stages together" and r["m"] == micro_batches]
+    alone = [r["ms"] for r in rows if r.get("part") == "stage alone" and r["m"] == micro_batches]
+    if not (together and alone):
+        raise ValueError(f"the stages were not timed alone and together at M = {micro_batches}.")
+    return together[0] / max(alone) - 1
 
 
 # --- the case --------------------------------------------------------------------------------
