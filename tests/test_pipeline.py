@@ -1031,3 +1031,20 @@ def test_a_variable_shared_by_two_stages_is_refused_with_an_optimizer(devs):
     with pytest.raises(ValueError, match="belongs to stages 0 and 1"):
         pipeline.Pipeline(stages, devs[:2], 2, optimizer=keras.optimizers.Adam(1e-3))
     pipeline.Pipeline(stages, devs[:2], 2, learning_rate=0.1)  # plain SGD adds the two updates, as one device does
+
+
+def test_the_stages_together_variant_runs_every_stage_at_once(devs):
+    from tutorial_lib import bench_pipeline
+
+    pair = devs[:2]
+    stages = bench_pipeline.balanced_stages(pair, 16)
+    x, y = bench_pipeline.dense_batch(32, bench_pipeline.input_width(16))
+    variants = bench_pipeline._gap_variants(stages, pair, bench_pipeline._stage_inputs(stages, pair, x, y), 4)
+
+    def matmul_devices(name):
+        fn, _ = variants[name]
+        return {device for _, op_type, device in timeline.placement(fn) if "MatMul" in op_type}
+
+    assert variants["stages together, M=4"][1] == {"part": "stages together", "m": 4}
+    assert matmul_devices("stages together, M=4") == set(pair)
+    assert matmul_devices("stage 1 alone, M=4") == {pair[1]}
