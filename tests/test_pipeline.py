@@ -493,6 +493,7 @@ def test_bench_rows_compare_with_the_naive_split(devs):
         ]
     ]
     assert "bubble" in lines[1] and "schedule" in lines[1] and "inside ops" in lines[1] and "rest" in lines[1]
+    assert any(word in lines[-1] for word in ("(faster;", "(slower;", "(no significant difference;"))  # a verdict
     memory = {r["variant"]: r for r in rows if r["case"] == "pipeline memory"}
     rows = [r for r in rows if r["case"] != "pipeline memory"]
     by_name = {r["variant"]: r for r in rows}
@@ -554,6 +555,10 @@ def test_gap_parts_from_known_times():
         r("stages together, M=4", 106.0, part="stages together", m=4),
     ]
     assert bench_pipeline.sharing_slowdown(rows, 4) == pytest.approx(106 / 98 - 1)
+    assert [r["variant"] for r in bench_pipeline.sharing_rows(rows, 4)] == [
+        "stages together, M=4",
+        "stage 1 alone, M=4",
+    ]
     with pytest.raises(ValueError, match="not timed alone and together at M = 2"):
         bench_pipeline.sharing_slowdown(rows, 2)
     with pytest.raises(ValueError, match="timed alone at M = \\[1, 4\\], not at 2"):

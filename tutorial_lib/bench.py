@@ -24,7 +24,7 @@ import itertools
 import time
 
 from . import timing
-from .bench_pipeline import gap_parts, pipeline_vs_naive, sharing_slowdown
+from .bench_pipeline import gap_parts, pipeline_vs_naive, sharing_rows, sharing_slowdown
 from .bench_rows import checksums as _checksums
 from .bench_rows import compared as _compared
 from .bench_rows import device_model as _device_model
@@ -301,9 +301,11 @@ def _pipeline_summary(rows) -> list[str]:
                 f"pipeline {variant}: {gap['gap_ms']:.1f} ms above the ideal {gap['ideal_ms']:.1f} ms; "
                 f"largest part: {largest} {parts[largest]:+.1f} ms"
             )
+        together, slowest = sharing_rows(rows, m)
+        word = timing.verdict(*(timing.Timing(r["ms"], r["spread_ms"]) for r in (together, slowest)))
         lines.append(
             f"pipeline stages together, M={m}: {sharing_slowdown(rows, m):+.0%} against the slowest stage alone "
-            "(sharing the machine, no hand-offs)"
+            f"({word}; sharing the machine, no hand-offs)"
         )
     return lines
 

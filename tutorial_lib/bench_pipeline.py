@@ -236,17 +236,24 @@ def gap_parts(rows, variant: str) -> dict[str, float]:
     }
 
 
-def sharing_slowdown(rows, micro_batches: int) -> float:
-    """How much slower every stage's work at M ran all at once, each on its device with no
-    hand-off ("stages together"), than the slowest stage alone: the cost of sharing the
-    machine (the cores' caches and memory, and this process driving every device at once),
-    which part 4 of `gap_parts` includes. 0.1 is 10% slower. Both are medians of noisy times:
-    compare them with their spreads (`timing.verdict`) before reading a small figure."""
-    together = [r["ms"] for r in rows if r.get("part") == "stages together" and r["m"] == micro_batches]
-    alone = [r["ms"] for r in rows if r.get("part") == "stage alone" and r["m"] == micro_batches]
+def sharing_rows(rows, micro_batches: int) -> tuple[dict, dict]:
+    """The row of every stage's work at M timed at once, each on its device with no hand-off
+    ("stages together"), and the row of the slowest stage timed alone at M."""
+    together = [r for r in rows if r.get("part") == "stages together" and r["m"] == micro_batches]
+    alone = [r for r in rows if r.get("part") == "stage alone" and r["m"] == micro_batches]
     if not (together and alone):
         raise ValueError(f"the stages were not timed alone and together at M = {micro_batches}.")
-    return together[0] / max(alone) - 1
+    return together[0], max(alone, key=lambda r: r["ms"])
+
+
+def sharing_slowdown(rows, micro_batches: int) -> float:
+    """How much slower every stage's work at M ran all at once (`sharing_rows`) than the
+    slowest stage alone: the cost of sharing the machine (the cores' caches and memory, and
+    this process driving every device at once), which part 4 of `gap_parts` includes. 0.1 is
+    10% slower. Both are medians of noisy times: compare them with their spreads
+    (`timing.verdict`) before reading a small figure."""
+    together, slowest = sharing_rows(rows, micro_batches)
+    return together["ms"] / slowest["ms"] - 1
 
 
 # --- the case --------------------------------------------------------------------------------
