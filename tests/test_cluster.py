@@ -70,6 +70,7 @@ def test_a_crashing_worker_is_reported_with_its_log_tail_and_the_others_stopped(
     assert time.monotonic() - start < 20 and c.running() == [] and _gone(c)
 
 
+@pytest.mark.slow
 def test_a_hung_worker_times_out_with_a_clear_error(tmp_path):
     script = _script(tmp_path, "print('waiting for a peer that never comes', flush=True)\ntime.sleep(60)\n")
     c = cluster.Cluster(script, 2).start()
@@ -212,6 +213,7 @@ def test_workers_die_with_their_driver(tmp_path, ending):
         process.stdout.close()
 
 
+@pytest.mark.slow
 def test_multi_worker_training_equals_one_process_and_leaves_nothing_running(tmp_path):
     from tutorial_lib import multi_worker
 

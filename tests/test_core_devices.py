@@ -9,6 +9,7 @@ Workers that fail to start are tested here, in this process: nothing connects to
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -114,6 +115,7 @@ def connected():
     return result
 
 
+@pytest.mark.slow
 def test_core_devices_compute_across_worker_tasks(connected):
     (result,) = _tagged(connected.stdout, "RESULT")
     task = [f"/job:worker/replica:0/task:{k}/device:CPU:0" for k in range(2)]
@@ -123,12 +125,14 @@ def test_core_devices_compute_across_worker_tasks(connected):
     assert result["model"] == "cores"  # honoured although TUTORIAL_DEVICE=cpu
 
 
+@pytest.mark.slow
 def test_simulate_cores_twice_returns_the_same_devices(connected):
     (result,) = _tagged(connected.stdout, "RESULT")
     assert _tagged(connected.stdout, "AGAIN") == [result["names"]]
     assert connected.stdout.count("2 core CPU device(s)") == 2  # announced both times
 
 
+@pytest.mark.slow
 def test_another_count_or_model_says_restart(connected):
     other_count, other_model = _tagged(connected.stdout, "REFUSED")
     assert "2 core devices; it cannot switch to 3 core devices" in other_count
@@ -136,6 +140,7 @@ def test_another_count_or_model_says_restart(connected):
     assert "cannot switch to 2 CPU devices" in other_model and "Restart the kernel" in other_model
 
 
+@pytest.mark.slow
 @linux_only
 def test_workers_end_when_the_kernel_exits(connected):
     (pids,) = _tagged(connected.stdout, "PIDS")
@@ -143,6 +148,7 @@ def test_workers_end_when_the_kernel_exits(connected):
     assert _still_alive(pids) == []
 
 
+@pytest.mark.slow
 def test_worker_logs_are_removed_when_the_kernel_exits(connected):
     ((folder, log_root),) = _tagged(connected.stdout, "LOGS")  # the log root of the kernel's temporary folder
     assert Path(folder).parent == Path(log_root) and Path(log_root).name == cluster.log_root().name
@@ -161,6 +167,7 @@ KILLED = """
 
 
 @linux_only
+@pytest.mark.slow
 def test_workers_end_when_the_kernel_is_killed(tmp_path):
     pid_file = tmp_path / "pids.json"
     driver = subprocess.Popen(
@@ -202,6 +209,7 @@ def spawned(monkeypatch):
 
 
 @linux_only
+@pytest.mark.slow
 def test_a_worker_whose_port_is_taken_is_a_clear_error_and_the_others_are_stopped(monkeypatch, spawned):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
@@ -231,3 +239,87 @@ def test_workers_that_never_get_ready_are_a_clear_error_and_are_stopped(monkeypa
         core_devices.start(2, timeout=1.0)
     assert [p.poll() is not None for p in spawned] == [True, True]
     assert core_devices.workers == []
+
+
+# --- faults after start: a frozen worker, a dead one -------------
+
+FAULTS = """
+    import json, os, signal, sys, time
+    from tutorial_lib import core_devices, devices
+
+    names = devices.simulate(2, kind="cores")
+    import tensorflow as tf
+
+    fault, task = sys.argv[1], 1
+    worker = core_devices.workers[task]
+    if fault == "dead":  # it dies before its first op
+        os.kill(worker.process.pid, signal.SIGKILL)
+        worker.process.wait()
+    else:  # frozen, as by SIGSTOP (or Ctrl-Z)
+        os.kill(worker.process.pid, signal.SIGSTOP)
+    start = time.monotonic()
+    try:
+        with tf.device(names[task]):
+            float(tf.reduce_sum(tf.ones([2, 2]) * 2))
+        ended = "ran"
+    except tf.errors.OpError as err:
+        ended = type(err).__name__
+    print("ENDED", json.dumps([ended, time.monotonic() - start]), flush=True)
+    try:
+        devices.simulate(2, kind="cores")
+    except RuntimeError as err:
+        print("REFUSED", json.dumps(str(err)), flush=True)
+"""
+
+
+@linux_only
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("fault", "what"), [("dead", "exited with status -9"), ("frozen", "was frozen (stopped) for 3 s and was killed")]
+)
+def test_a_dead_or_frozen_worker_ends_its_op_in_an_error_and_simulate_refuses_it(fault, what):
+    result = subprocess.run(_driver(FAULTS, fault), cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert _tagged(result.stdout, "REFUSED"), result.stdout + result.stderr[-2000:]
+    (ended,) = _tagged(result.stdout, "ENDED")
+    (refused,) = _tagged(result.stdout, "REFUSED")
+    # Before, the dead worker's op waited 120 s and the frozen one's 100 s and more.
+    assert ended[0] == "UnavailableError" and ended[1] < core_devices.FROZEN_LIMIT_S + 30, ended
+    assert re.search(rf"core device 1 \(pid \d+, core \d+\) {re.escape(what)}", refused), refused
+    assert "restart the kernel" in refused
+
+
+INTERRUPTED = """
+    import os, signal
+    from tutorial_lib import core_devices, devices
+
+    names = devices.simulate(2, kind="cores")
+    import tensorflow as tf
+
+    os.kill(core_devices.workers[1].process.pid, signal.SIGSTOP)
+    print("WAITING", flush=True)
+    try:
+        with tf.device(names[1]):
+            float(tf.reduce_sum(tf.ones([2, 2]) * 2))
+    except KeyboardInterrupt:
+        print("INTERRUPTED", flush=True)
+"""
+
+
+@linux_only
+@pytest.mark.slow
+def test_ctrl_c_stops_an_op_that_waits_on_a_frozen_worker():
+    driver = subprocess.Popen(
+        _driver(INTERRUPTED), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+    )
+    try:
+        for line in driver.stdout:  # until the op waits
+            if line.startswith("WAITING"):
+                break
+        time.sleep(0.5)
+        driver.send_signal(signal.SIGINT)
+        out, _ = driver.communicate(timeout=60)  # before the watcher, it ignored Ctrl-C for 90 s
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+            driver.wait()
+    assert out.strip() == "INTERRUPTED" and driver.returncode == 0

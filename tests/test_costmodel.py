@@ -1,5 +1,4 @@
 import dataclasses
-import json
 
 import numpy as np
 import pytest
@@ -25,26 +24,21 @@ def test_fit_alpha_beta_recovers_the_parameters():
     assert fitted.beta == pytest.approx(LINK.beta, rel=1e-6)
 
 
-def test_fit_compute_and_predictions():
+def test_fit_compute_and_the_step_model():
     compute = costmodel.fit_compute([64, 128, 256], [0.001 + 64e-6, 0.001 + 128e-6, 0.001 + 256e-6])
     assert compute.per_example == pytest.approx(1e-6) and compute.fixed == pytest.approx(1e-3)
-    one = costmodel.predict_step(compute, 256, 1, 4e6, LINK)
-    eight = costmodel.predict_step(compute, 256, 8, 4e6, LINK)
-    assert eight > one
-    assert costmodel.weak_scaling_efficiency(compute, 256, 8, 4e6, LINK) == pytest.approx(one / eight)
-    assert costmodel.weak_scaling_efficiency(compute, 256, 1, 4e6, LINK) == 1
+    one = costmodel.step_seconds(compute, 256, 1, 4e6, LINK)
+    eight = costmodel.step_seconds(compute, 256, 8, 4e6, LINK, "central")
+    assert one == pytest.approx(1e-3 + 256e-6)  # one device: no all-reduce
+    assert eight == pytest.approx(one + 14 * (1e-5 + 4e6 * 1e-9))
 
 
-def test_pipeline_prediction_has_the_bubble_of_gpipe():
-    t = costmodel.predict_pipeline(1.0, stages=2, micro_batches=8)
-    assert t == pytest.approx(9.0)  # (M + S - 1) stage times
-    assert costmodel.predict_pipeline(1.0, 2, 8, tick_overhead=0.1) == pytest.approx(9.0 + 18 * 0.1)
-
-
-def test_hardware_presets_state_their_assumptions():
-    for hw in (costmodel.GPU_NODE, costmodel.GPU_CLUSTER):
-        assert hw.flops > 0 and hw.link.beta > 0 and "GB/s" in hw.name and "one A100-class GPU" in hw.name
-        assert hw.compute(2e9).per_example == pytest.approx(2e9 / hw.flops)
+def test_the_checked_entry_is_the_lesson_with_its_arguments_checked():
+    for n, algorithm in [(1, "ring"), (3, "halving_doubling"), (8, "central")]:
+        assert costmodel.allreduce_time(1e6, n, LINK, algorithm) == costmodel.allreduce_seconds(1e6, n, LINK, algorithm)
+    assert costmodel.allreduce_seconds(1e6, 5, LINK, "halving_doubling") == pytest.approx(
+        6 * 1e-5 + 1.6e-3
+    )  # 2 ceil(log2 5)
 
 
 def test_bad_input():
@@ -75,8 +69,6 @@ def test_unknown_algorithms_are_refused_everywhere():
         costmodel.fit_alpha_beta([1e3, 1e4], [1e-3, 2e-3], 2, algorithm="bogus")
     with pytest.raises(ValueError, match="got 'bogus'"):
         costmodel.allreduce_time(1e6, 1, LINK, "bogus")  # even where one device would move nothing
-    with pytest.raises(ValueError, match="got 'bogus'"):
-        costmodel.predict_step(costmodel.Compute(1e-6, 0.0), 64, 2, 1e6, LINK, algorithm="bogus")
 
 
 @pytest.mark.parametrize(
@@ -85,8 +77,6 @@ def test_unknown_algorithms_are_refused_everywhere():
         (lambda: costmodel.allreduce_time(1e6, 2.0, LINK), r"n \(the number of devices\) must be a whole number >= 1"),
         (lambda: costmodel.allreduce_time(1e6, True, LINK), "whole number >= 1, got True"),
         (lambda: costmodel.fit_alpha_beta([1e3, 1e4], [1, 2], 0), "whole number >= 1, got 0"),
-        (lambda: costmodel.predict_pipeline(1.0, stages=0, micro_batches=4), "stages must be a whole number >= 1"),
-        (lambda: costmodel.predict_pipeline(1.0, stages=2, micro_batches=1.5), "micro_batches must be a whole number"),
         (lambda: costmodel.fit_alpha_beta([1e3, 1e4, 1e5], [1, 2], 2), "3 sizes but 2 times"),
         (lambda: costmodel.fit_compute([64, 128, 256], [1.0, 1.1]), "3 batch sizes but 2 times"),
     ],
@@ -212,8 +202,6 @@ def test_switching_terms_off():
         (lambda: costmodel.Workload("m", 10, 2, -1.0, 4, "s"), "seconds_per_example must be a finite number >= 0"),
         (lambda: costmodel.Workload("m", -10, 2, 1.0, 4, "s"), "parameters must be a whole number >= 1"),
         (lambda: costmodel.switched_off(costmodel.Options(), "tensor cores"), "term must be one of 'overlap'"),
-        (lambda: costmodel.p100_seconds_per_example("AlexNet", 512), "no published P100 speed for 'AlexNet'"),
-        (lambda: costmodel.a100_resnet50("fp8"), "precision must be one of"),
     ],
 )
 def test_bad_cluster_inputs_are_refused_with_the_fix(call, message):
@@ -221,110 +209,19 @@ def test_bad_cluster_inputs_are_refused_with_the_fix(call, message):
         call()
 
 
-# ---- the published results ----
-
-
-def test_every_published_result_is_there_with_its_source():
-    rows = {(r.label, r.workload.model): r for r in costmodel.PUBLISHED}
-    expected = {
-        ("Horovod, 128 x 4 GPUs", "Inception V3"): (512, 0.90),
-        ("Horovod, 128 x 4 GPUs", "ResNet-101"): (512, 0.90),
-        ("Horovod, 128 x 4 GPUs", "VGG-16"): (512, 0.68),
-        ("Horovod, 32 x 4 GPUs", "Inception V3"): (128, 0.90),
-        ("Horovod, 32 x 4 GPUs", "ResNet-101"): (128, 0.90),
-        ("Horovod, 32 x 4 GPUs", "VGG-16"): (128, 0.79),
-        ("tf_cnn_benchmarks, DGX-1", "ResNet-50"): (8, 1734 / (8 * 219)),
-        ("Goyal et al., 32 x 8 GPUs", "ResNet-50"): (256, 0.90),
-        ("NVIDIA examples, DGX A100", "ResNet-50 TF32"): (8, 7.70 / 8),
-        ("NVIDIA examples, DGX A100", "ResNet-50 AMP"): (8, 7.32 / 8),
-    }
-    assert {k: (r.gpus, r.efficiency) for k, r in rows.items()} == expected
-    assert rows["Goyal et al., 32 x 8 GPUs", "ResNet-50"].baseline_gpus == 8
-    assert all(r.workload.batch == 64 for k, r in rows.items() if k[0].startswith(("Horovod", "tf_cnn")))
-    assert rows["Goyal et al., 32 x 8 GPUs", "ResNet-50"].workload.batch == 32  # 8192 images on 256 GPUs
-    for row in costmodel.PUBLISHED:
-        assert any(key in row.source for key in ("arXiv:1802.05799", "arXiv:1706.02677", "benchmarks.md", "README"))
-        assert "keras.applications" in row.workload.source
-        assert any(key in row.workload.source for key in ("benchmarks page", "DeepLearningExamples"))
-    # one set of assumptions per published system: every Horovod row shares one system and one set of options
-    horovod = [r for r in costmodel.PUBLISHED if r.label.startswith("Horovod")]
-    assert len({(r.system, r.options) for r in horovod}) == 1
-
-
-def test_every_published_result_is_predicted_within_10_points():
-    for row in costmodel.published_table():
-        assert abs(row["error_points"]) <= 10, row
-
-
-def test_published_speeds_come_from_the_named_table():
-    seconds, source = costmodel.p100_seconds_per_example("ResNet-50", 64)
-    assert seconds == 1 / 219 and "benchmarks page" in source
-    r101, source = costmodel.p100_seconds_per_example("ResNet-101", 64)
-    assert "interpolated" in source
-    # halfway in multiply-adds (3.8 -> 7.6 -> 11.3 billion): close to halfway in time
-    assert 1 / 219 < r101 < 1 / 91.8
-    assert r101 == pytest.approx(1 / 219 + (7.6 - 3.8) / (11.3 - 3.8) * (1 / 91.8 - 1 / 219))
-
-
-def test_explain_reports_what_each_mechanism_is_worth():
-    vgg = next(r for r in costmodel.PUBLISHED if r.label == "Horovod, 128 x 4 GPUs" and r.workload.model == "VGG-16")
-    terms = costmodel.explain(vgg)
-    assert set(terms) == {"overlap", "fusion"}
-    assert terms["overlap"] < 0  # without overlap the all-reduce is all exposed
-    off = costmodel.predict(vgg, costmodel.switched_off(vgg.options, "overlap"))
-    assert terms["overlap"] == pytest.approx(100 * (off - costmodel.predict(vgg)))
-
-
-def test_model_figures_match_keras_applications():
-    import keras
-
-    # VGG-16 is left out: building its 138M parameters takes 20 s here (counted once: 138,357,544 in 32 tensors)
-    for name, build in (("ResNet-50", "ResNet50"), ("ResNet-101", "ResNet101"), ("Inception V3", "InceptionV3")):
-        model = getattr(keras.applications, build)(weights=None)
-        figures = costmodel.MODEL_FIGURES[name]
-        assert len(model.trainable_weights) == figures["tensors"]
-        assert sum(int(np.prod(w.shape)) for w in model.trainable_weights) == figures["parameters"]
-
-
-def test_cli_prints_the_table_and_writes_json(tmp_path, capsys):
-    path = tmp_path / "published.json"
-    assert costmodel.main(["--published", "--json", str(path)]) == 0
-    out = capsys.readouterr().out
-    assert "Horovod, 128 x 4 GPUs" in out and "arXiv:1706.02677" in out and f"wrote 10 rows to {path}" in out
-    rows = json.loads(path.read_text())["rows"]
-    assert len(rows) == len(costmodel.PUBLISHED)
-    for row in rows:
-        assert {"source", "published", "predicted", "model", "gpus", "batch", "network"} <= set(row)
-        assert 0 < row["published"] <= 1 and 0 < row["predicted"] <= 1
-        assert row["error_points"] == pytest.approx(100 * (row["predicted"] - row["published"]))
-
-
-@pytest.mark.parametrize(
-    "args, message",
-    [([], "nothing to do: pass --published"), (["--published", "--json", "/nonexistent-dir/x.json"], "not a writable")],
-)
-def test_cli_refuses_bad_arguments(args, message, capsys):
-    with pytest.raises(SystemExit):
-        costmodel.main(args)
-    assert message in capsys.readouterr().err
-
-
-def test_cli_runs_as_a_module(tmp_path):
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "PYTHONPATH": str(root)}
-    done = subprocess.run(
-        [sys.executable, "-m", "tutorial_lib.costmodel", "--published"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=tmp_path,
-        env=env,
-        check=False,
+def test_zero_terms_follow_the_papers_formulas():
+    psi = 1e9
+    assert [costmodel.zero_memory(psi, 64, s) for s in range(4)] == pytest.approx(
+        [16 * psi, 4 * psi + 12 * psi / 64, 2 * psi + 14 * psi / 64, 16 * psi / 64]
     )
-    assert done.returncode == 0, done.stderr
-    assert "Goyal et al." in done.stdout and "error: predicted minus published" in done.stdout
+    assert costmodel.zero_memory(psi, 8, 0, 4, 4, 8) == 16 * psi  # float32 Adam: the same 16 bytes
+    assert costmodel.zero_traffic(psi, 4, 1) == costmodel.zero_traffic(psi, 4, 0) == 2 * 0.75 * psi * 2
+    assert costmodel.zero_traffic(psi, 4, 3) == 1.5 * costmodel.zero_traffic(psi, 4, 2)
+    assert costmodel.tensor_parallel_traffic(1e6, 8, 2) == pytest.approx(2 * 4 * 2 * 7 / 8 * 2e6)
+    rows = costmodel.sharding_table(psi, 8, LINK, 1e6, 24)
+    assert [r["method"] for r in rows] == list(costmodel.SHARDINGS)
+    assert rows[1]["seconds"] == pytest.approx(rows[1]["bytes_sent"] * LINK.beta)
+    with pytest.raises(ValueError, match="stage must be 0"):
+        costmodel.zero_memory(psi, 8, 4)
+    with pytest.raises(ValueError, match="whole number >= 1"):
+        costmodel.zero_traffic(psi, 0, 1)

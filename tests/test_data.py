@@ -85,3 +85,12 @@ def test_make_dataset_refuses_a_batch_size_that_is_not_a_whole_number(batch_size
 def test_make_dataset_takes_a_numpy_batch_size():
     x, y = np.zeros((8, 2), np.float32), np.zeros(8, np.int32)
     assert len(list(data.make_dataset(x, y, batch_size=np.int64(4), shuffle=False))) == 2
+
+
+def test_random_batch_is_seeded_and_shaped():
+    x, y = data.random_batch(6, shape=(4, 4, 1), seed=1)
+    assert x.shape == (6, 4, 4, 1) and x.dtype.name == "float32" and y.dtype.name == "int32"
+    assert 0 <= float(np.min(x)) and float(np.max(x)) < 1 and set(y.numpy()) <= set(range(10))
+    np.testing.assert_array_equal(data.random_batch(6, shape=(4, 4, 1), seed=1)[0], x)
+    with pytest.raises(ValueError, match="examples must be a whole number"):
+        data.random_batch(0)

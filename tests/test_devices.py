@@ -197,6 +197,7 @@ def _run(code: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.slow
 def test_simulate_in_a_fresh_process_sets_threads_and_refuses_after_start():
     result = _run("""
         import tensorflow as tf
@@ -211,6 +212,7 @@ def test_simulate_in_a_fresh_process_sets_threads_and_refuses_after_start():
     assert "3 logical CPU device(s)" in result.stdout and "OK" in result.stdout
 
 
+@pytest.mark.slow
 def test_simulate_after_tensorflow_started_says_restart():
     result = _run("""
         import tensorflow as tf
@@ -222,6 +224,7 @@ def test_simulate_after_tensorflow_started_says_restart():
     assert "Restart the kernel" in result.stderr
 
 
+@pytest.mark.slow
 def test_simulate_after_tensorflow_started_says_the_threads_were_not_set():
     result = _run("""
         import tensorflow as tf

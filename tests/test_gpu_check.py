@@ -77,6 +77,7 @@ def test_exit_status(statuses, code):
     assert gpu_check.exit_status([Result("x", s, "") for s in statuses]) == code
 
 
+@pytest.mark.slow
 def test_the_cpu_path_says_there_is_no_gpu_and_exits_0():
     run = subprocess.run([sys.executable, "-m", "tutorial_lib.gpu_check"], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
@@ -105,15 +106,15 @@ def test_checks_pass_on_cpus(devs, check):
 
 
 def _off_by(amount):
-    def broken(tensors, average=False, devices=None):
-        return [t + amount for t in allreduce.ring_all_reduce(tensors, average=average, devices=devices)]
+    def broken(tensors, devices):
+        return [t + amount for t in allreduce.ring_all_reduce(tensors, devices)]
 
     return broken
 
 
 @pytest.mark.parametrize("what", ["all_reduce", "train_step"])
 def test_checks_fail_when_the_all_reduce_is_wrong(devs, monkeypatch, what):
-    monkeypatch.setitem(allreduce._REDUCERS, "central", _off_by(1e-3))
+    monkeypatch.setitem(allreduce.ALL_SUMS, "central", _off_by(1e-3))
     result = gpu_check.run_check(Check(what, "central", gpu_check.TRAIN_TOLERANCE), devs)
     assert result.status == "fail" and "max |difference|" in result.detail, result
 
@@ -133,6 +134,7 @@ def test_nccl_on_cpus_is_an_error_result_not_a_crash(devs):
 # --- the child processes ----------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_check_runs_in_a_child_with_its_own_devices():
     result = gpu_check.run_in_child(Check("train_step", "ring", gpu_check.TRAIN_TOLERANCE), 2, kind="cpu", timeout=300)
     assert result.status == "pass", result

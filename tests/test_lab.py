@@ -12,6 +12,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -21,6 +23,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_make_lab_serves_the_notebooks(tmp_path):
     port, token = _free_port(), "course-test"
     args = f"--no-browser --ip=127.0.0.1 --port={port} --IdentityProvider.token={token} --ServerApp.port_retries=0"
@@ -123,3 +126,81 @@ def test_make_refuses_a_python_tensorflow_has_no_wheels_for(tmp_path):
         assert f"Python {version} cannot run the course" in result.stderr
         assert "stable wheels for Python 3.10 to 3.13" in result.stderr
         assert not (project / ".venv").exists()
+
+
+# What a kernel started by hand has: none of the settings of the Makefile or of the tests.
+_COURSE_SETTINGS = ("TF_CPP_MIN_LOG_LEVEL", "TUTORIAL_DEVICE", "PYTHONHASHSEED", "TUTORIAL_RAW_STDERR")
+_NOISE_WORDS = ("absl::InitializeLog", "oneDNN", "cuda drivers", "cuInit", "TensorRT", "factory", "E0000", "I0000")
+
+
+def _plain_env() -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in _COURSE_SETTINGS}
+    return {**env, "PYTHONPATH": str(ROOT)}
+
+
+@pytest.mark.slow
+def test_the_first_import_and_simulate_print_one_line_in_a_plain_python():
+    code = "import tutorial_lib\nfrom tutorial_lib import devices\ndevices.simulate(2)\n"
+    result = subprocess.run(
+        [sys.executable, "-c", code], env=_plain_env(), cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == "", f"start-up noise on stderr: {result.stderr}"
+    assert len(result.stdout.splitlines()) == 1 and "device" in result.stdout, result.stdout
+
+
+@pytest.mark.slow
+def test_a_notebook_setup_cell_is_quiet_in_a_kernel_with_a_plain_environment(monkeypatch):
+    """Notebook 01's setup cell, in a fresh kernel whose environment lacks the course's settings:
+    what it shows is the one line simulate prints, and no start-up noise (ipykernel shows what
+    C++ writes to stderr in the cell)."""
+    nbclient = pytest.importorskip("nbclient")
+    import nbformat
+
+    for key in _COURSE_SETTINGS:
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    nb = nbformat.read(ROOT / "notebooks" / "01_naive_placement.ipynb", as_version=4)
+    nb.cells = nb.cells[:3]
+    nbclient.NotebookClient(nb, timeout=300, kernel_name="python3").execute()
+    outputs = nb.cells[2].outputs
+    shown = "".join(o.get("text", "") for o in outputs) + "".join(str(o.get("data", "")) for o in outputs)
+    assert not [w for w in _NOISE_WORDS if w in shown], shown
+    assert "device" in shown, shown
+
+
+def test_the_filter_drops_only_start_up_noise_and_gives_stderr_back():
+    """Without TensorFlow: noise lines written to descriptor 2 vanish, others pass unchanged (a
+    partial line at once), and after stop_filtering_stderr() everything passes."""
+    code = (
+        "import os, tutorial_lib\n"
+        "os.write(2, b'WARNING: All log messages before absl::InitializeLog() is called are written to STDERR\\n')\n"
+        "os.write(2, b'E0000 00:00:1796194778.447699   21888 cuda_platform.cc:52] failed call to cuInit: x\\n')\n"
+        "os.write(2, b'a real warning\\nprompt> ')\n"
+        "tutorial_lib.stop_filtering_stderr()\n"
+        "os.write(2, b'E0000 00:00:1.1 1 cuda_platform.cc:52] failed call to cuInit: shown raw\\n')\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], env=_plain_env(), cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0
+    assert (
+        result.stderr
+        == "a real warning\nprompt> E0000 00:00:1.1 1 cuda_platform.cc:52] failed call to cuInit: shown raw\n"
+    )
+
+
+def test_the_lab_asks_no_news_question_and_checks_no_updates():
+    # make install copies tools/lab_overrides.json where JupyterLab reads its defaults
+    # (<prefix>/share/jupyter/lab/settings/overrides.json); each value must be one the schema allows.
+    overrides = json.loads((ROOT / "tools" / "lab_overrides.json").read_text())
+    schemas = Path(sys.prefix) / "share" / "jupyter" / "lab" / "schemas"
+    for plugin, settings in overrides.items():
+        package, name = plugin.rsplit(":", 1)
+        schema = json.loads((schemas / package / f"{name}.json").read_text())["properties"]
+        for key, value in settings.items():
+            allowed = [c["const"] for c in schema[key].get("oneOf", [])] or [True, False]
+            assert value in allowed, (plugin, key, value)
+    assert overrides["@jupyterlab/apputils-extension:notification"] == {"checkForUpdates": False, "fetchNews": "false"}
+    plan = subprocess.run(["make", "-n", "-B", "install"], cwd=ROOT, capture_output=True, text=True).stdout
+    assert "tools/lab_overrides.json" in plan and "share/jupyter/lab/settings/overrides.json" in plan

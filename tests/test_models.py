@@ -53,3 +53,17 @@ def test_cross_entropy_and_accuracy_match_keras():
     expected = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)(labels, logits)
     np.testing.assert_allclose(models.cross_entropy(logits, labels), expected, rtol=1e-6)
     assert float(models.accuracy(logits, labels)) == pytest.approx(2 / 3)
+
+
+def test_sequential_runs_keras_layers_in_training_mode_and_gathers_their_losses():
+    import keras
+
+    dropout = keras.layers.Dropout(0.5, seed=0)
+    dense = keras.layers.Dense(3, kernel_regularizer=keras.regularizers.L2(1.0))
+    net = models.Sequential([models.Flatten(), dropout, dense])
+    x = tf.ones([4, 2, 2, 1])
+    np.testing.assert_array_equal(net(x, training=False), dense(tf.ones([4, 4])))
+    assert np.any(net(x, training=True).numpy() != net(x, training=False).numpy())  # dropout dropped
+    (penalty,) = net.losses
+    np.testing.assert_allclose(penalty, tf.reduce_sum(tf.square(dense.kernel)), rtol=1e-6)
+    assert models.MLP().losses == []

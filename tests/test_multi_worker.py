@@ -52,6 +52,7 @@ def test_checkpoint_dir_is_the_real_one_for_the_chief_only():
     assert multi_worker.checkpoint_dir("ck", resolver("worker", 2)) == os.path.join("ck", "tmp_worker2")
 
 
+@pytest.mark.slow
 def test_a_run_without_tf_config_writes_its_outputs_and_a_rerun_says_it_is_complete(tmp_path):
     first = run_script("--steps", 4, "--checkpoint-every", 2, "--out", tmp_path)
     assert first.returncode == 0, first.stderr
@@ -69,6 +70,7 @@ def test_a_run_without_tf_config_writes_its_outputs_and_a_rerun_says_it_is_compl
     assert (tmp_path / "steps.jsonl").read_text() == log  # nothing trained twice
 
 
+@pytest.mark.slow
 def test_a_crash_worker_outside_the_job_is_refused_at_start(tmp_path):
     result = run_script("--steps", 4, "--crash-at", 2, "--crash-worker", 1, "--out", tmp_path)
     assert result.returncode != 0
@@ -82,3 +84,38 @@ def test_options_are_checked(tmp_path, capsys):
     with pytest.raises(SystemExit):
         multi_worker.parse(["--crash-worker", "-1", "--out", str(tmp_path)])
     assert "--crash-worker must be a worker index >= 0 (0 is the chief), got -1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("options", "tf_config", "message"),
+    [
+        (["--collective-timeout", "-1"], None, "--collective-timeout must be a number of seconds > 0, got -1.0"),
+        (["--checkpoint-dir", "{file}"], None, "--checkpoint-dir '{file}' is a file, not a folder"),
+        ([], "not json", "TF_CONFIG is not a cluster and a task (JSONDecodeError"),
+        (
+            [],
+            '{"cluster": {"worker": ["localhost:1"]}, "task": {"type": "worker", "index": 3}}',
+            "TF_CONFIG's task index 3 is outside its 1 'worker' task(s): give an index from 0 to 0",
+        ),
+    ],
+)
+def test_a_bad_option_or_tf_config_exits_2_naming_it_and_the_fix(
+    tmp_path, monkeypatch, capsys, options, tf_config, message
+):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    if tf_config is None:
+        monkeypatch.delenv("TF_CONFIG", raising=False)
+    else:
+        monkeypatch.setenv("TF_CONFIG", tf_config)
+    with pytest.raises(SystemExit) as stopped:
+        multi_worker.parse([*(o.format(file=a_file) for o in options), "--out", str(tmp_path / "out")])
+    assert stopped.value.code == 2
+    assert message.format(file=a_file) in capsys.readouterr().err
+
+
+def test_out_naming_a_file_exits_2(tmp_path, capsys):
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(SystemExit) as stopped:
+        multi_worker.parse(["--out", str(tmp_path / "a_file")])
+    assert stopped.value.code == 2 and "--out" in capsys.readouterr().err

@@ -6,6 +6,7 @@ import json
 import re
 import shutil
 import subprocess
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from html.parser import HTMLParser
 from pathlib import Path
@@ -126,7 +127,8 @@ def _solution_only_lines() -> set[str]:
                 elsewhere |= {line.strip() for line in "".join(out.get("text", "")).splitlines()}
     for path in (ROOT / "tutorial_lib").glob("*.py"):
         elsewhere |= {line.strip() for line in path.read_text().splitlines()}
-    return solution - elsewhere
+    shown = "\n".join(elsewhere)  # a solution line inside a longer lesson line is no leak either
+    return {line for line in solution - elsewhere if line not in shown}
 
 
 def test_pages_show_no_solution(site):
@@ -202,3 +204,51 @@ def test_every_page_renders_in_chromium_with_its_figures_and_no_script_error(sit
         assert decoded, f"{path.stem}.html: the page's script did not run"
         assert int(decoded.group(1)) == _figures(path), f"{path.stem}.html: figures decoded {decoded.group(1)}"
     assert sum(_figures(p) for p in NOTEBOOKS) > 0, "no figure was checked"
+
+
+def _one_notebook(tmp_path, edit=None, text=None):
+    """A folder with notebook 06 (edited), for the site to be built from."""
+    source = tmp_path / "notebooks"
+    source.mkdir()
+    notebook = json.loads((ROOT / "notebooks" / "06_scaling.ipynb").read_text())
+    if edit:
+        edit(notebook)
+    (source / "06_scaling.ipynb").write_text(text if text is not None else json.dumps(notebook))
+    return source
+
+
+def _misspell_first_solution(notebook):
+    cell = next(c for c in notebook["cells"] if "solution" in c["metadata"].get("tags", []))
+    cell["metadata"]["tags"] = ["solutoin"]
+
+
+@pytest.mark.parametrize(
+    "edit, text, message",
+    [
+        (_misspell_first_solution, None, r"06_scaling.ipynb: cell \d+ \(### Exercise 1 .* not followed"),
+        (None, '{"cells": [', "06_scaling.ipynb: not a readable notebook"),
+        (None, '{"cells": [{"cell_type": "markdown"}]}', "06_scaling.ipynb: cell 0 has no cell_type or no source"),
+    ],
+)
+def test_a_notebook_that_would_leak_or_cannot_be_read_is_refused_and_nothing_written(tmp_path, edit, text, message):
+    source = _one_notebook(tmp_path, edit, text)
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "build_site.py"), str(source), str(tmp_path / "site")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr
+    assert re.search(message, result.stderr), result.stderr
+    assert not (tmp_path / "site").exists() or not any((tmp_path / "site").iterdir())
+
+
+def test_a_markdown_solution_is_not_published(tmp_path):
+    def answer_in_markdown(notebook):
+        cell = next(c for c in notebook["cells"] if "solution" in c["metadata"].get("tags", []))
+        cell.update(cell_type="markdown", source=["The answer is: exactly forty-two transformers.\n"])
+        cell.pop("outputs"), cell.pop("execution_count")
+
+    source = _one_notebook(tmp_path, answer_in_markdown)
+    build_site.build(source, tmp_path / "site")
+    assert "forty-two transformers" not in (tmp_path / "site" / "06_scaling.html").read_text()

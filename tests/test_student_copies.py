@@ -3,6 +3,8 @@ text anywhere in the folder or the archive, and a student copy that runs top to 
 
 import importlib.util
 import json
+import re
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -12,6 +14,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 ORIGINALS = sorted((ROOT / "notebooks").glob("*.ipynb"))
+
+sys.path.insert(0, str(ROOT / "tools"))
+import notebook_format  # noqa: E402
 
 _spec = importlib.util.spec_from_file_location("student_copies", ROOT / "tools" / "student_copies.py")
 student_copies = importlib.util.module_from_spec(_spec)
@@ -45,17 +50,17 @@ def test_copies_empty_solutions_into_numbered_placeholders_and_clear_outputs(han
         copy = json.loads((folder / "notebooks" / original.name).read_text())
         number = 0
         for before, after in zip(source["cells"], copy["cells"], strict=True):
-            if after["cell_type"] != "code":
-                assert after["source"] == before["source"]
-                continue
-            assert after["outputs"] == [] and after["execution_count"] is None
             if _is_solution(before):
                 number += 1
+                assert after["cell_type"] == "code" and not _is_solution(after)
                 assert "".join(after["source"]).startswith(f"# Exercise {number}: your solution here")
                 assert "jupyter" not in after["metadata"], "a placeholder must not be hidden"
             else:
                 assert after["source"] == before["source"]
-        assert number == student_copies.exercise_count(source) > 0, original.name
+            if after["cell_type"] == "code":
+                assert after["outputs"] == [] and after["execution_count"] is None
+        headings = sum("".join(c["source"]).startswith("### Exercise ") for c in source["cells"])
+        assert number == headings > 0, original.name
 
 
 def _solution_lines() -> set[str]:
@@ -71,7 +76,8 @@ def _solution_lines() -> set[str]:
                 elsewhere |= lines
     for path in (ROOT / "tutorial_lib").glob("*.py"):
         elsewhere |= {line.strip() for line in path.read_text().splitlines()}
-    return solution - elsewhere
+    shown = "\n".join(elsewhere)  # a solution line inside a longer lesson line is no leak either
+    return {line for line in solution - elsewhere if line not in shown}
 
 
 def test_the_handout_holds_no_solution_text_and_no_teacher_files(handout):
@@ -93,19 +99,101 @@ def test_the_handout_holds_no_solution_text_and_no_teacher_files(handout):
         assert not leaked, f"{name} contains solution code: {leaked[:3]}"
 
 
-def test_a_solution_count_that_does_not_match_the_exercises_is_refused():
-    notebook = json.loads((ROOT / "notebooks" / "00_devices.ipynb").read_text())
-    first = next(i for i, c in enumerate(notebook["cells"]) if c["cell_type"] == "code" and _is_solution(c))
-    del notebook["cells"][first]
-    with pytest.raises(student_copies.HandoutError, match="2 cells tagged 'solution' but 3 numbered exercises"):
+def _notebook_00():
+    return json.loads((ROOT / "notebooks" / "00_devices.ipynb").read_text())
+
+
+def _first_solution(notebook):
+    return next(i for i, c in enumerate(notebook["cells"]) if _is_solution(c))
+
+
+def test_a_lost_solution_tag_is_refused_even_when_a_lesson_cell_took_it():
+    notebook = _notebook_00()
+    first = _first_solution(notebook)
+    notebook["cells"][first]["metadata"]["tags"] = ["solutoin"]  # misspelled: the answer would ship
+    notebook["cells"][2]["metadata"]["tags"] = ["solution"]  # and the count still matches
+    with pytest.raises(student_copies.HandoutError, match=rf"cell {first - 1} .* not followed .*cell 2 is tagged"):
         student_copies.student_copy(notebook, "00_devices.ipynb")
 
 
+def test_a_markdown_solution_becomes_a_placeholder_and_leaves_no_text():
+    notebook = _notebook_00()
+    first = _first_solution(notebook)
+    notebook["cells"][first] = {
+        "cell_type": "markdown",
+        "metadata": {"tags": ["solution"]},
+        "source": ["The answer: the name was formatted twice, '/device:CPU:0' inside another.\n"],
+    }
+    copy = student_copies.student_copy(notebook, "00_devices.ipynb")
+    assert "formatted twice" not in json.dumps(copy)
+    assert copy["cells"][first]["cell_type"] == "code"
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [('{"cells": [', "05_broken.ipynb: not a readable notebook"), ('{"cells": [{"cell_type": "code"}]}', "cell 0")],
+)
+def test_a_broken_notebook_is_named_and_nothing_is_written(tmp_path, text, message):
+    source = tmp_path / "notebooks"
+    source.mkdir()
+    (source / "05_broken.ipynb").write_text(text)
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "student_copies.py"), str(source), str(tmp_path / "student")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode != 0 and message in result.stderr and "Traceback" not in result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notebooks"], "nothing half-written"
+
+
+def _make_targets(makefile: str) -> dict[str, str]:
+    """Each target of a Makefile with its recipe."""
+    targets, current = {}, None
+    for line in makefile.splitlines():
+        match = re.match(r"^([\w-]+):(?!=)", line)
+        if match:
+            current = match.group(1)
+            targets[current] = ""
+        elif line.startswith("\t") and current:
+            targets[current] += line + "\n"
+        elif line.strip() and not line.startswith("#"):
+            current = None
+    return targets
+
+
+def test_the_handout_names_only_files_and_make_targets_it_holds(handout):
+    """Its README and notebooks: every path exists in the hand-out, every `make x` runs without the
+    teacher's files, and the README is the students' own."""
+    folder, _ = handout
+    readme = (folder / "README.md").read_text()
+    assert "teacher/" not in readme and "make test" not in readme
+    targets = _make_targets((folder / "Makefile").read_text())
+    texts = {"README.md": readme}
+    for path in (folder / "notebooks").glob("*.ipynb"):
+        texts[path.name] = "\n".join("".join(c["source"]) for c in json.loads(path.read_text())["cells"])
+    missing = []
+    for name, text in texts.items():
+        for ref in notebook_format.PATH_REF.findall(text):
+            if not (folder / ref).exists():
+                missing.append(f"{name}: {ref}")
+        for target in re.findall(r"`make ([\w-]+)", text):
+            recipe = targets.get(target)
+            if recipe is None or re.search(r"\b(tools|tests|teacher)/", recipe):
+                missing.append(f"{name}: make {target}")
+    assert not missing, missing
+    for target in ("lab", "kernel"):  # every file their set-up needs is in the hand-out
+        plan = subprocess.run(["make", "-n", "-B", target], cwd=folder, capture_output=True, text=True)
+        assert plan.returncode == 0, plan.stderr
+
+
 def test_an_existing_folder_the_tool_did_not_write_is_not_replaced(tmp_path):
+    (tmp_path / "notebooks").mkdir()
+    shutil.copy(ROOT / "notebooks" / "06_scaling.ipynb", tmp_path / "notebooks")
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "notes.txt").write_text("keep me")
     with pytest.raises(student_copies.HandoutError, match="was not written by this tool"):
-        student_copies.write_handout(ROOT / "notebooks", tmp_path / "mine", tmp_path / "mine.zip")
+        student_copies.write_handout(tmp_path / "notebooks", tmp_path / "mine", tmp_path / "mine.zip")
     assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
 
 

@@ -1,5 +1,6 @@
 """The README's Teaching section and the make targets it documents."""
 
+import importlib.util
 import json
 import re
 import shutil
@@ -10,7 +11,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
-TIME = re.compile(r"\*\*Time\.\*\*\s+About\s+(\d+)\s+minutes")
+_spec = importlib.util.spec_from_file_location("teaching_plan", ROOT / "tools" / "teaching_plan.py")
+teaching_plan = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(teaching_plan)
 
 
 def _teaching() -> str:
@@ -19,19 +22,48 @@ def _teaching() -> str:
     return readme.split("## Teaching", 1)[1].split("\n## ", 1)[0]
 
 
-def _stated_minutes(path: Path) -> int:
-    first = "".join(json.loads(path.read_text())["cells"][0]["source"])
-    match = TIME.search(first)
-    assert match, f"{path.name}: the first cell states no '**Time.** About N minutes'"
-    return int(match.group(1))
+def test_the_readme_plan_is_the_one_built_from_the_notebooks_time_lines():
+    assert teaching_plan.readme_plan(_teaching()) == teaching_plan.plan_table(), (
+        "run python tools/teaching_plan.py --write"
+    )
 
 
-def test_teaching_times_are_the_notebooks_own_estimates_and_add_up():
-    section = _teaching()
-    listed = {name: int(m) for name, m in re.findall(r"^\| `(\d\d_\w+)` \| (\d+) min \|", section, re.MULTILINE)}
-    assert listed == {p.stem: _stated_minutes(p) for p in NOTEBOOKS}, "update the README's Teaching table"
-    total = re.search(r"\*\*total\*\* \| \*\*(\d+) min", section)
-    assert total and int(total.group(1)) == sum(listed.values())
+def test_sessions_pack_consecutive_core_paths_within_the_limit():
+    times = [{"core": c} for c in (20, 25, 30, 60, 35, 45, 100, 30)]
+    packed = [[t["core"] for t in s] for s in teaching_plan.sessions(times, limit=90)]
+    assert packed == [[20, 25, 30], [60], [35, 45], [100], [30]]
+
+
+def test_the_plan_reads_each_notebooks_core_path_and_deep_dives(tmp_path):
+    first = "**Time.** About 40 minutes on the core path (sections 1-6), "
+    first += "plus about 15 minutes of deep dives (sections 7-9)."
+    (tmp_path / "05_x.ipynb").write_text(json.dumps({"cells": [{"cell_type": "markdown", "source": [first]}]}))
+    table = teaching_plan.plan_table(tmp_path)
+    assert "| 1 (40 min) | `05_x` | sections 1-6 | 40 min | sections 7-9, 15 min |" in table
+    (tmp_path / "06_y.ipynb").write_text(json.dumps({"cells": [{"cell_type": "markdown", "source": ["# 06"]}]}))
+    with pytest.raises(teaching_plan.PlanError, match="06_y.ipynb"):
+        teaching_plan.plan_table(tmp_path)
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_each_core_path_can_be_read_in_its_stated_time(path):
+    """At 150 words a minute, its prose leaves time for running the cells within the stated minutes."""
+    stated = teaching_plan.notebook_times(path)["core"]
+    assert teaching_plan.core_reading_minutes(path) <= stated * 0.75, (
+        f"{path.name}: {teaching_plan.core_reading_minutes(path):.0f} minutes of prose in a {stated}-minute core path"
+    )
+
+
+def test_the_module_table_lists_exactly_the_package_modules():
+    readme = (ROOT / "README.md").read_text()
+    table = readme.split("| module | what it holds |", 1)[1].split("\n\n", 1)[0]
+    listed = set()
+    for cell in re.findall(r"^\| ([^|]+) \|", table, re.MULTILINE):
+        listed |= {name.rstrip("/") for name in re.findall(r"`([\w/]+)`", cell)}
+    package = ROOT / "tutorial_lib"
+    modules = {p.stem for p in package.glob("*.py") if p.stem != "__init__"}
+    modules |= {p.name for p in package.iterdir() if (p / "__init__.py").exists()}
+    assert listed == modules
 
 
 @pytest.mark.parametrize(

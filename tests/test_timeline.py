@@ -118,7 +118,7 @@ def test_independent_work_overlaps(devs):
 
 
 def test_merged_intervals_do_not_double_count():
-    assert timeline._merged([(0, 2), (1, 3), (5, 6)]) == [[0, 3], [5, 6]]
+    assert timeline.merged([(0, 2), (1, 3), (5, 6)]) == [[0, 3], [5, 6]]
     events = [
         timeline.Event("/device:CPU:0", "a", "X", 0, 2),
         timeline.Event("/device:CPU:0", "b", "X", 1, 4),

@@ -6,6 +6,7 @@ workers' trace files are merged is tested here on synthetic traces.
 """
 
 import json
+import re
 import subprocess
 import sys
 import textwrap
@@ -14,7 +15,7 @@ from pathlib import Path
 import pytest
 from tensorflow.tsl.profiler.protobuf import xplane_pb2
 
-from tutorial_lib import timeline
+from tutorial_lib import timeline, worker_traces
 
 ROOT = Path(__file__).resolve().parents[1]
 TASK = [f"/job:worker/replica:0/task:{k}/device:CPU:0" for k in range(2)]
@@ -22,7 +23,7 @@ TASK = [f"/job:worker/replica:0/task:{k}/device:CPU:0" for k in range(2)]
 DRIVER = """
     import json, sys, tempfile, time, warnings
     from pathlib import Path
-    from tutorial_lib import devices, timeline
+    from tutorial_lib import devices, timeline, worker_traces
 
     tempfile.tempdir = sys.argv[1]  # the test's own folder: trace folders must not stay in it
     names = devices.simulate(2, kind="cores")
@@ -76,7 +77,7 @@ DRIVER = """
     def slow_when_traced():  # the third call (warm-up, timed step, traced step) outlasts the window
         calls.append(1)
         if len(calls) == 3:
-            time.sleep(timeline.CAPTURE_LEAD_S + timeline.CAPTURE_SLACK_S + 2.0)
+            time.sleep(worker_traces.CAPTURE_LEAD_S + worker_traces.CAPTURE_SLACK_S + 2.0)
         return only_task_0(x)
 
     def fails_when_traced():
@@ -119,6 +120,7 @@ def _compute(report, device):
     return [(s, e) for d, t, s, e in report["events"] if d == device and ("MatMul" in t or t == "Tanh")]
 
 
+@pytest.mark.slow
 def test_a_dependency_chain_runs_on_one_device_after_the_other(driven):
     report = driven["SEQUENTIAL"]
     assert {d for d, *_ in report["events"]} == set(TASK)  # both workers' ops, named after their devices
@@ -130,6 +132,7 @@ def test_a_dependency_chain_runs_on_one_device_after_the_other(driven):
     assert 0 < sum(report["busy"].values()) <= 1.15
 
 
+@pytest.mark.slow
 def test_independent_chains_keep_both_devices_busy(driven):
     report = driven["PARALLEL"]
     assert {d for d, *_ in report["events"]} == set(TASK)
@@ -137,16 +140,19 @@ def test_independent_chains_keep_both_devices_busy(driven):
     assert sum(report["busy"].values()) > 1.3
 
 
+@pytest.mark.slow
 def test_the_profiler_clients_own_messages_stay_out_of_the_output(driven):
     assert driven["SEQUENTIAL"]  # traces ran...
     assert "Starting to trace" not in driven["stdout"]  # ...and TensorFlow's C++ client printed nothing
 
 
+@pytest.mark.slow
 def test_an_idle_worker_is_no_error(driven):
     report = driven["ONE_DEVICE"]
     assert {d for d, t, *_ in report["events"] if "MatMul" in t} == {TASK[0]}
 
 
+@pytest.mark.slow
 def test_ops_of_this_process_are_traced_with_a_warning(driven):
     report = driven["HERE"]
     assert {d for d, t, *_ in report["events"] if "MatMul" in t} == {TASK[0], "/device:CPU:0"}
@@ -154,18 +160,21 @@ def test_ops_of_this_process_are_traced_with_a_warning(driven):
     assert "in this process, on no core device" in warning and "'/device:CPU:0'" in warning
 
 
+@pytest.mark.slow
 def test_a_step_longer_than_the_capture_window_is_refused(driven):
     report = driven["OVERRUN"]
     assert report["error"].startswith("RuntimeError") and "would miss ops" in report["error"]
     assert report["left"] == []
 
 
+@pytest.mark.slow
 def test_a_worker_that_died_is_a_clear_error(driven):
-    # caught before tracing: asking where fn ran would wait for the stopped worker forever
-    assert "core device(s) ['/job:worker/replica:0/task:1/device:CPU:0'] stopped" in driven["DEAD"]
-    assert "Restart the kernel" in driven["DEAD"]
+    # caught before the warm-up: it would fail with gRPC's words, which name no core device
+    assert re.search(r"core device 1 \(pid \d+, core \d+\) exited with status", driven["DEAD"])
+    assert "restart the kernel" in driven["DEAD"]
 
 
+@pytest.mark.slow
 def test_fn_raising_under_the_trace_leaves_no_files(driven):
     assert driven["RAISES"] == {"error": "ValueError: boom", "left": []}
 
@@ -205,7 +214,7 @@ def test_worker_files_are_merged_on_one_clock_with_the_workers_devices():
     }
     hosts = {"localhost_1": TASK[0], "localhost_2": TASK[1]}
     local = {"vm": _space(S + 6 * MS, [("loss:Mean", 2, 1)], S + 9 * MS)}  # this process's own trace
-    events = timeline._core_events(spaces, hosts, WHERE, ran=(S + 5 * MS, S + 10 * MS), local=local)
+    events = worker_traces.core_events(spaces, hosts, WHERE, ran=(S + 5 * MS, S + 10 * MS), local=local)
     assert [(e.device, e.op, e.type, e.start, e.end) for e in events] == [
         (TASK[0], "MatMul", "_MklMatMul", 0.0, 2.0),  # the device is the worker's, not the graph's default
         (TASK[1], "MatMul_1", "MatMul", 4.0, 7.0),  # runtime bookkeeping and _Send are left out
@@ -218,17 +227,17 @@ def test_a_missing_worker_file_is_refused():
     spaces = {"localhost_1": _space(S, [("MatMul:MatMul", 1, 2)], S + 10 * MS)}
     hosts = {"localhost_1": TASK[0], "localhost_2": TASK[1]}
     with pytest.raises(RuntimeError, match=r"no trace for \['/job:worker/replica:0/task:1/device:CPU:0'\]"):
-        timeline._core_events(spaces, hosts, WHERE, ran=(S + MS, S + 2 * MS))
+        worker_traces.core_events(spaces, hosts, WHERE, ran=(S + MS, S + 2 * MS))
 
 
 @pytest.mark.parametrize("ran", [(S - MS, S + 2 * MS), (S + MS, S + 11 * MS)], ids=["began early", "ended late"])
 def test_a_run_outside_the_capture_window_is_refused(ran):
     spaces = {"localhost_1": _space(S, [("MatMul:MatMul", 1, 2)], S + 10 * MS)}
     with pytest.raises(RuntimeError, match="would miss ops"):
-        timeline._core_events(spaces, {"localhost_1": TASK[0]}, WHERE, ran)
+        worker_traces.core_events(spaces, {"localhost_1": TASK[0]}, WHERE, ran)
 
 
 def test_a_trace_without_session_times_is_refused():
     spaces = {"localhost_1": _space(S, [("MatMul:MatMul", 1, 2)], stop_ns=None)}
     with pytest.raises(RuntimeError, match="cannot be put on the same clock"):
-        timeline._core_events(spaces, {"localhost_1": TASK[0]}, WHERE, ran=(S + MS, S + 2 * MS))
+        worker_traces.core_events(spaces, {"localhost_1": TASK[0]}, WHERE, ran=(S + MS, S + 2 * MS))

@@ -30,15 +30,15 @@ class FakeClocks:
 
 def test_median_and_interquartile_spread_on_a_fake_clock(monkeypatch):
     clocks = FakeClocks(monkeypatch)
-    median, spread = timing.measure(clocks.calls([3, 1, 4, 1, 5]), repeats=5, warmup=0)
+    median, spread, samples = timing.measure(clocks.calls([3, 1, 4, 1, 5]), repeats=5, warmup=0)
     # sorted 1 1 3 4 5: median 3; quartiles (exclusive method) 1 and 4.5
-    assert (median, spread) == (3, 3.5)
+    assert (median, spread, samples) == (3, 3.5, 5)
 
 
 def test_warmup_calls_are_made_but_not_timed(monkeypatch):
     clocks = FakeClocks(monkeypatch)
     fn = clocks.calls([100, 100, 3, 1, 4, 1, 5])
-    assert timing.measure(fn, repeats=5, warmup=2) == (3, 3.5)
+    assert timing.measure(fn, repeats=5, warmup=2) == (3, 3.5, 5)
     with pytest.raises(StopIteration):  # exactly 2 + 5 calls were made
         fn()
 
@@ -50,7 +50,7 @@ def test_median_time_is_the_median(monkeypatch):
 
 def test_a_single_repeat_has_no_spread(monkeypatch):
     clocks = FakeClocks(monkeypatch)
-    assert timing.measure(clocks.calls([50, 6]), repeats=1) == (6, 0.0)
+    assert timing.measure(clocks.calls([50, 6]), repeats=1) == (6, 0.0, 1)
 
 
 def test_cores_used_is_cpu_time_over_wall_time_after_one_uncounted_call(monkeypatch):
@@ -115,7 +115,7 @@ def test_interleaved_calls_the_variants_in_turns_after_their_warmups(monkeypatch
 
     result = timing.interleaved({"a": variant("a", 2), "b": variant("b", 5)}, rounds=3, warmup=1)
     assert calls == ["a", "b"] * 4  # one warm-up round, then 3 timed rounds, never a then a
-    assert result == {"a": (2, 0.0), "b": (5, 0.0)}
+    assert result == {"a": (2, 0.0, 3), "b": (5, 0.0, 3)}
     assert result["a"].median == 2 and result["b"].spread == 0.0
 
 
@@ -124,7 +124,7 @@ def test_interleaved_takes_each_variants_median_and_spread_over_its_own_rounds(m
     a = clocks.calls([100, 3, 1, 4, 1, 5])  # warm-up, then 5 rounds
     b = clocks.calls([100, 10, 10, 10, 10, 10])
     result = timing.interleaved({"a": a, "b": b}, rounds=5, warmup=1)
-    assert result == {"a": (3, 3.5), "b": (10, 0.0)}  # as measure() on the same times
+    assert result == {"a": (3, 3.5, 5), "b": (10, 0.0, 5)}  # as measure() on the same times
 
 
 @pytest.mark.parametrize(
@@ -141,18 +141,18 @@ def test_interleaved_refuses_bad_input(call, message):
 
 
 def test_ratio_range_pairs_the_half_spreads_least_and_most_favourably():
-    slow, fast = timing.Timing(10.0, 2.0), timing.Timing(4.0, 2.0)
+    slow, fast = timing.Timing(10.0, 2.0, 5), timing.Timing(4.0, 2.0, 5)
     # 10 +- 1 over 4 +- 1: from 9/5 to 11/3
     assert timing.ratio(slow, fast) == pytest.approx((2.5, 1.8, 11 / 3))
 
 
 def test_ratio_range_is_open_when_the_spread_reaches_zero():
-    assert timing.ratio(timing.Timing(1.0, 0.0), timing.Timing(1.0, 2.0))[2] == float("inf")
+    assert timing.ratio(timing.Timing(1.0, 0.0, 5), timing.Timing(1.0, 2.0, 5))[2] == float("inf")
 
 
 def test_ratio_range_never_goes_below_zero():
     # A spread wider than twice the median (one very slow round) must not give a negative time.
-    assert timing.ratio(timing.Timing(1.0, 3.0), timing.Timing(2.0, 0.0)) == (0.5, 0.0, 1.25)
+    assert timing.ratio(timing.Timing(1.0, 3.0, 5), timing.Timing(2.0, 0.0, 5)) == (0.5, 0.0, 1.25)
 
 
 @pytest.mark.parametrize(
@@ -166,7 +166,19 @@ def test_ratio_range_never_goes_below_zero():
     ],
 )
 def test_verdict_needs_the_whole_range_on_one_side_of_one(variant, baseline, expected):
-    assert timing.verdict(timing.Timing(*variant), timing.Timing(*baseline)) == expected
+    assert timing.verdict(timing.Timing(*variant, 5), timing.Timing(*baseline, 5)) == expected
+
+
+@pytest.mark.parametrize("samples", [1, 2])
+def test_no_verdict_from_fewer_than_three_samples(samples):
+    # One sample has no spread, so any difference would look significant.
+    few, many = timing.Timing(1.0, 0.0, samples), timing.Timing(10.0, 0.0, 5)
+    assert timing.verdict(few, many) == timing.verdict(many, few) == "too few samples"
+
+
+def test_no_times_cannot_be_summarized():
+    with pytest.raises(ValueError, match="no times"):
+        timing.summarize([])
 
 
 def test_busy_warning_only_above_the_core_count_and_says_what_it_does_to_the_figures():

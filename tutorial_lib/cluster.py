@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import signal
 import socket
@@ -30,11 +29,6 @@ import weakref
 from pathlib import Path
 
 from . import checks, processes
-
-# TensorFlow's C++ INFO lines at start-up ("I0000 00:00:... port.cc:153] oneDNN ..."), printed
-# before its logging is configured, so TF_CPP_MIN_LOG_LEVEL cannot silence them. Warnings
-# and errors are kept.
-_NOISE = re.compile(r"^(I\d{4} \d\d:\d\d:|WARNING: All log messages before absl::InitializeLog)")
 
 
 class ClusterError(RuntimeError):
@@ -158,8 +152,7 @@ class Cluster:
 
     def tail(self, index: int, lines: int = 15) -> str:
         """The last lines of a worker's log, without TensorFlow's start-up INFO lines."""
-        kept = [line for line in self.log(index).splitlines() if not _NOISE.match(line)]
-        return "\n".join(kept[-lines:])
+        return processes.log_tail(self.log_path(index), lines)
 
     def start(self):
         """Start every worker (again, after `stop` or `wait`: the logs then start afresh)."""

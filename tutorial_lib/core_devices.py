@@ -13,17 +13,24 @@ uses them with the same `tf.device` code as any other device.
    with this process, however it ends), each writing to a log file;
 2. wait until each prints its READY line, with a timeout; a worker that exits or hangs
    stops them all and raises a `RuntimeError` carrying its log tail;
-3. connect with `tf.config.experimental_connect_to_cluster`.
+3. connect with `tf.config.experimental_connect_to_cluster`, with gRPC's fail-fast on
+   (`GRPC_FAIL_FAST`, as TensorFlow's own fault tests set it) and ops sent as single calls
+   (`TF_ENABLE_EAGER_CLIENT_STREAMING_ENQUEUE=false`): an op for a worker that is gone
+   fails at once instead of waiting for it to come back;
+4. watch the workers: a process (`core_worker.watch`) kills one frozen (stopped, as by
+   SIGSTOP) for `FROZEN_LIMIT_S`, so that the op waiting on it fails instead of hanging,
+   and a thread reports by name each worker that exits.
+   `check_workers()` raises for a dead worker: `simulate` and `timeline` call it first.
 """
 
 from __future__ import annotations
 
 import atexit
 import os
-import re
 import shutil
 import subprocess
 import sys
+import threading
 import time
 import warnings
 from dataclasses import dataclass
@@ -34,10 +41,9 @@ from .cluster import free_ports, new_log_dir
 
 START_TIMEOUT_S = 120.0  # a worker imports TensorFlow; on a busy machine that takes a while
 LOCAL_JOB = "localhost"  # this process's own job: its CPU is not one of the devices
-
-# TensorFlow's C++ INFO lines at start-up, printed before its logging is configured; a log
-# tail without them shows what went wrong.
-_STARTUP_NOISE = re.compile(r"^(I\d{4} \d\d:\d\d:|WARNING: All log messages before absl::InitializeLog)")
+FROZEN_LIMIT_S = 3.0  # a worker stopped this long is killed, so that nothing waits on it forever
+WATCH_EVERY_S = 0.25
+RESTART = "restart the kernel (Kernel > Restart) and call simulate again to start fresh core devices"
 
 
 @dataclass(frozen=True)
@@ -56,9 +62,10 @@ class Worker:
         return self.log.exists() and core_worker.READY in self.log.read_text(errors="replace")
 
     def tail(self, lines: int = 15) -> str:
-        text = self.log.read_text(errors="replace") if self.log.exists() else ""
-        kept = [line for line in text.splitlines() if not _STARTUP_NOISE.match(line)]
-        return "\n".join(kept[-lines:]) or "(empty)"
+        return processes.log_tail(self.log, lines) or "(empty)"
+
+    def describe(self) -> str:
+        return f"core device {self.task} (pid {self.process.pid}, core {self.core})"
 
 
 workers: list[Worker] = []  # the core devices this process started and is connected to
@@ -103,12 +110,56 @@ def start(n: int, timeout: float | None = None) -> list[str]:
         import tensorflow as tf  # imported here while the workers start
 
         _wait_until_ready(started, START_TIMEOUT_S if timeout is None else timeout)
+        # Read by TensorFlow at each remote call: fail at once when a worker is unreachable
+        # instead of waiting for it, and send ops as single calls (that honour fail-fast), not
+        # on the stream that `tf.experimental.async_scope` turns on (it waits for a dead worker).
+        os.environ.setdefault("GRPC_FAIL_FAST", "true")
+        os.environ.setdefault("TF_ENABLE_EAGER_CLIENT_STREAMING_ENQUEUE", "false")
         tf.config.experimental_connect_to_cluster(tf.train.ClusterSpec({"worker": addresses}), job_name=LOCAL_JOB)
+        tf.config.list_logical_devices()  # contacts every worker now, not at the first op placed
     except BaseException:  # a failure, a timeout, or Ctrl-C: leave nothing running
         processes.stop([w.process for w in started], grace=2.0)
         raise
     workers.extend(started)
+    pids = ",".join(str(w.process.pid) for w in started)
+    watcher = [sys.executable, core_worker.__file__, "--watch", pids, str(log_dir), str(FROZEN_LIMIT_S)]
+    processes.spawn(watcher, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    threading.Thread(target=_report_exits, args=(list(started),), name="core-device-exits", daemon=True).start()
     return [device_name(task) for task in range(n)]
+
+
+def dead_workers() -> list[tuple[Worker, str]]:
+    """The workers that stopped serving, each with what happened to it."""
+    dead = []
+    for worker in workers:
+        if worker.log.with_suffix(".frozen").exists():  # killed: its sockets close before it is reaped
+            worker.process.wait(timeout=10)
+        if worker.process.poll() is not None:
+            dead.append((worker, _fault(worker)))
+    return dead
+
+
+def check_workers() -> None:
+    """Raise a RuntimeError naming every core device whose worker is gone, and what to do."""
+    dead = dead_workers()
+    if dead:
+        said = "; ".join(f"{w.describe()} {what}" for w, what in dead)
+        raise RuntimeError(f"{said}. Its ops can no longer run: {RESTART}. Log: {dead[0][0].log}")
+
+
+def _fault(worker: Worker) -> str:
+    if worker.log.with_suffix(".frozen").exists():  # written by the watcher process
+        return f"was frozen (stopped) for {FROZEN_LIMIT_S:g} s and was killed"
+    return f"exited with status {worker.process.returncode}"
+
+
+def _report_exits(watched: list[Worker]) -> None:
+    """Say at once, by name, which core device's worker exited (a thread: when Python runs)."""
+    while watched:
+        time.sleep(WATCH_EVERY_S)
+        for worker in [w for w in watched if w.process.poll() is not None]:
+            watched.remove(worker)
+            print(f"\n{worker.describe()} {_fault(worker)}: {RESTART}.", file=sys.stderr, flush=True)
 
 
 def _worker_command(task: int, core: int, addresses: list[str]) -> list[str]:

@@ -19,13 +19,48 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
+import time
+from pathlib import Path
 
 READY = "READY"
 INTER_OP_THREADS = 2  # a few ops of one device may wait on transfers while another computes
 
 
+def watch(pids: list[int], log_dir: str, frozen_limit: float) -> None:
+    """Kill each worker stopped (SIGSTOP, Ctrl-Z) for `frozen_limit` seconds, noting it in
+    `log_dir`/worker<task>.frozen, until every worker has exited.
+
+    A process of its own, not a thread of the notebook's: a thread waits for the Python lock,
+    which a notebook blocked in a call to the frozen worker may hold.
+    """
+    frozen_since: dict[int, float] = {}
+    while True:
+        states = {task: _state(pid) for task, pid in enumerate(pids)}
+        if all(state in (None, "Z") for state in states.values()):
+            return
+        for task, state in states.items():
+            if state != "T":
+                frozen_since.pop(task, None)
+            elif time.monotonic() - frozen_since.setdefault(task, time.monotonic()) > frozen_limit:
+                Path(log_dir, f"worker{task}.frozen").write_text(f"{frozen_limit:g}\n")
+                os.kill(pids[task], signal.SIGKILL)
+        time.sleep(0.25)
+
+
+def _state(pid: int) -> str | None:
+    """A process's state letter from Linux's /proc ('T' stopped, 'Z' exited), None if gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
 def main(argv=None) -> None:
+    if argv and argv[0] == "--watch":  # --watch PIDS LOG_DIR FROZEN_LIMIT_S
+        watch([int(p) for p in argv[1].split(",")], argv[2], float(argv[3]))
+        return
     args = _arguments(argv)
     addresses = args.cluster.split(",")
     if hasattr(os, "sched_setaffinity"):  # Linux; elsewhere the device is not pinned

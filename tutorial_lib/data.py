@@ -1,10 +1,7 @@
-"""The course data: real handwritten digits, offline by default, and tf.data pipelines.
+"""The course data: scikit-learn's 8x8 digits (offline), Keras MNIST (online), tf.data pipelines.
 
-`load_digits()` uses the 1,797 8x8 digits that ship inside scikit-learn, so every
-notebook runs without a network. `load_mnist()` is the real Keras MNIST loader (it
-downloads once and caches under ~/.keras/datasets) for machines that are online.
-Both return ``(x_train, y_train), (x_test, y_test)`` with images as float32 in [0, 1],
-shaped (N, H, W, 1), and labels as int32.
+Loaders return ``(x_train, y_train), (x_test, y_test)``: float32 images in [0, 1] shaped
+(N, H, W, 1), int32 labels.
 """
 
 from __future__ import annotations
@@ -12,8 +9,6 @@ from __future__ import annotations
 import numpy as np
 
 from . import checks
-
-NUM_CLASSES = 10
 
 
 def load_digits(test_fraction: float = 1 / 6, seed: int = 0):
@@ -46,11 +41,8 @@ def _prepare(images, labels):
 def make_dataset(
     x, y, batch_size: int, shuffle: bool = True, seed: int = 0, repeat: bool = False, drop_remainder: bool = True
 ):
-    """A tf.data pipeline of (images, labels) batches: shuffled, batched, prefetched.
-
-    `drop_remainder=True` keeps every batch the same size, so that it splits evenly across
-    devices; set it False for evaluation, where every example must count.
-    """
+    """A tf.data pipeline of (images, labels) batches: shuffled, batched, prefetched. Keep
+    `drop_remainder=True` for training (batches that split evenly across devices)."""
     import tensorflow as tf
 
     batch_size = checks.whole_number(batch_size, "batch_size")
@@ -65,3 +57,12 @@ def make_dataset(
     if repeat:
         ds = ds.repeat()
     return ds.batch(batch_size, drop_remainder=drop_remainder).prefetch(tf.data.AUTOTUNE)
+
+
+def random_batch(examples: int, shape=(8, 8, 1), classes: int = 10, seed: int = 0):
+    """Random images in [0, 1) and labels, as tensors (x float32, y int32)."""
+    import tensorflow as tf
+
+    rng = np.random.default_rng(seed)
+    x = rng.random((checks.whole_number(examples, "examples"), *shape), dtype=np.float32)
+    return tf.constant(x), tf.constant(rng.integers(0, classes, examples, dtype=np.int32))

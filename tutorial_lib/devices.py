@@ -26,7 +26,7 @@ import os
 import re
 from dataclasses import dataclass
 
-from . import checks, core_devices
+from . import checks, core_devices, stop_filtering_stderr
 
 ENV_VAR = "TUTORIAL_DEVICE"
 KINDS = ("auto", "cpu", "gpu", "cores")
@@ -122,10 +122,13 @@ def simulate(n: int, kind: str = "auto") -> list[str]:
     layout = plan(n, kind) if kind == "cores" else plan(n, kind, _physical_gpus())
     if _current is not None:
         if (_current.kind, _current.n, _current.model) == (layout.kind, layout.n, layout.model):
+            if layout.model == "cores":
+                core_devices.check_workers()  # the same devices only while every worker serves
             _announce(_current)
             return list(_current.names)
         _refuse(layout, _devices(_current, started=True))
     names = core_devices.start(layout.n) if layout.model == "cores" else _start_in_process(layout)
+    stop_filtering_stderr()  # TensorFlow has started: its start-up lines are behind us, a crash's are not
     _current = dataclasses.replace(layout, names=tuple(names))
     _announce(_current)
     return list(names)
@@ -243,7 +246,7 @@ def normalize(name: str) -> str:
     A device of another process keeps its job, replica and task, so that two core
     devices stay two: '/job:worker/task:1/cpu:0' gives
     '/job:worker/replica:0/task:1/device:CPU:0'. Raises ValueError on anything else,
-    with a hint when a full name was pasted into another one (the seed's
+    with a hint when a full name was pasted into another one (the asker's
     ``'/gpu:{}'.format(name)`` bug).
     """
     if not isinstance(name, str):

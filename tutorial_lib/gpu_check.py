@@ -136,39 +136,14 @@ def all_reduce_difference(devices, method: str) -> float:
     return _max_difference([g.numpy() for g in got], [r.numpy() for r in ring])
 
 
-def replicated_step(replicas, devices, learning_rate: float, method: str):
-    """One replicated SGD step: replica k on device k's share of the batch, gradients averaged
-    with `allreduce_grads(method=...)`, every replica updating itself on its own device."""
-    import tensorflow as tf
-
-    from . import allreduce, models, reference
-
-    @tf.function
-    def step(x, y):
-        all_grads = []
-        for d, net, xs, ys in zip(devices, replicas, tf.split(x, len(devices)), tf.split(y, len(devices)), strict=True):
-            with tf.device(d):  # forward and backward on the replica's device
-                with tf.GradientTape() as tape:
-                    loss = models.cross_entropy(net(xs), ys)
-                all_grads.append(tape.gradient(loss, net.trainable_variables))
-        averaged = allreduce.allreduce_grads(all_grads, average=True, method=method, devices=devices)
-        for net, grads in zip(replicas, averaged, strict=True):
-            reference.apply_sgd(net.trainable_variables, grads, learning_rate)
-
-    return step
-
-
 def train_step_difference(devices, method: str, learning_rate: float = 0.1) -> float:
     """Largest difference between every replica's weights after one replicated step and the reference's."""
-    import tensorflow as tf
+    from . import replicated
 
     x, y = _batch(len(devices))
     expected = _reference_weights(x, y, learning_rate, devices[0])
-    replicas = []
-    for d in devices:
-        with tf.device(d):
-            replicas.append(_model())
-    replicated_step(replicas, devices, learning_rate, method)(x, y)
+    replicas = replicated.make_replicas(_model, devices)
+    replicated.make_train_step(replicas, devices, learning_rate=learning_rate, method=method)(x, y)
     return max(_max_difference([v.numpy() for v in net.trainable_variables], expected) for net in replicas)
 
 
@@ -188,7 +163,7 @@ def mirrored_difference(devices, cross_device_ops: str, learning_rate: float = 0
     shards = strategy.experimental_distribute_values_from_function(
         lambda ctx: (tf.split(x, k)[ctx.replica_id_in_sync_group], tf.split(y, k)[ctx.replica_id_in_sync_group])
     )
-    mirrored_train_step(strategy, net, sgd, int(x.shape[0]))(*shards)
+    mirrored_train_step(strategy, net, sgd)(*shards)
     per_replica = [[r.numpy() for r in strategy.experimental_local_results(v)] for v in net.trainable_variables]
     return max(_max_difference([v[r] for v in per_replica], expected) for r in range(k))
 

@@ -1,22 +1,15 @@
-"""The course's small models, written with explicit `tf.Variable`s.
+"""The course's small models: explicit `tf.Variable`s on the device current at creation, seeded
+NumPy initial values, and `training`/`losses` as Keras models have, so every loop runs Keras too.
 
-Explicit variables (rather than Keras layers that build lazily) make placement visible:
-a variable lives on the device that was current when it was created, and towers can
-share one set of variables simply by calling the same module. Every initial value comes
-from a seeded NumPy generator, so a model is the same on every machine and device.
-
-- `MLP`: the course's network for seed 1 (flatten, hidden ReLU layers, linear logits). The
-  seed's own model is a single layer with a ReLU on its logits; notebook 02 says what
-  changed and why.
-- `cnn_stages`: the seed-2 CNN as three stages, to be placed on three devices. It is
-  adapted to small images with 'SAME' convolutions; its dropout layers are left out so
-  that parallel and sequential runs can be compared exactly.
+`MLP` is the NCCL asker's network; `cnn_stages` the pipeline asker's CNN in its three device
+blocks ('SAME' convolutions for small images, no dropout, so that runs compare exactly).
 """
 
 from __future__ import annotations
 
 import contextlib
 
+import keras
 import numpy as np
 import tensorflow as tf
 
@@ -29,6 +22,12 @@ def _glorot(rng: np.random.Generator, shape, fan_in: int, fan_out: int) -> np.nd
 class _Layer(tf.Module):
     """A layer with a kernel `w` and a bias `b`, listed in that order (tf.Module sorts by name)."""
 
+    def __init__(self, shape, fan_in: int, fan_out: int, seed: int, name):
+        super().__init__(name=name)
+        with self.name_scope:  # variable names read 'dense0/w:0'
+            self.w = tf.Variable(_glorot(np.random.default_rng(seed), shape, fan_in, fan_out), name="w")
+            self.b = tf.Variable(tf.zeros([shape[-1]]), name="b")
+
     @property
     def trainable_variables(self):
         return (self.w, self.b)
@@ -36,11 +35,7 @@ class _Layer(tf.Module):
 
 class Dense(_Layer):
     def __init__(self, n_in: int, n_out: int, relu: bool = False, seed: int = 0, name=None):
-        super().__init__(name=name)
-        rng = np.random.default_rng(seed)
-        with self.name_scope:  # variable names read 'dense0/w:0'
-            self.w = tf.Variable(_glorot(rng, (n_in, n_out), n_in, n_out), name="w")
-            self.b = tf.Variable(tf.zeros([n_out]), name="b")
+        super().__init__((n_in, n_out), n_in, n_out, seed, name)
         self.relu = relu
 
     def __call__(self, x):
@@ -52,12 +47,7 @@ class Conv2D(_Layer):
     """3x3 'SAME' convolution followed by ReLU."""
 
     def __init__(self, c_in: int, c_out: int, seed: int = 0, name=None):
-        super().__init__(name=name)
-        rng = np.random.default_rng(seed)
-        shape = (3, 3, c_in, c_out)
-        with self.name_scope:
-            self.w = tf.Variable(_glorot(rng, shape, 9 * c_in, 9 * c_out), name="w")
-            self.b = tf.Variable(tf.zeros([c_out]), name="b")
+        super().__init__((3, 3, c_in, c_out), 9 * c_in, 9 * c_out, seed, name)
 
     def __call__(self, x):
         return tf.nn.relu(tf.nn.conv2d(x, self.w, strides=1, padding="SAME") + self.b)
@@ -74,7 +64,10 @@ class Flatten(tf.Module):
 
 
 class Sequential(tf.Module):
-    """Layers applied in order; its `trainable_variables` are theirs."""
+    """Layers applied in order; its `trainable_variables` and `losses` are theirs.
+
+    Keras layers (and nested `Sequential`s) are called with `training`; other callables with x alone.
+    """
 
     def __init__(self, layers, name=None):
         super().__init__(name=name)
@@ -84,14 +77,18 @@ class Sequential(tf.Module):
     def trainable_variables(self):
         return tuple(v for layer in self.layers for v in layer.trainable_variables)
 
-    def __call__(self, x):
+    @property
+    def losses(self):
+        return [loss for layer in self.layers for loss in getattr(layer, "losses", ())]
+
+    def __call__(self, x, training=None):
         for layer in self.layers:
-            x = layer(x)
+            x = layer(x, training=training) if isinstance(layer, keras.layers.Layer | Sequential) else layer(x)
         return x
 
 
 class MLP(Sequential):
-    """Flatten, ReLU hidden layers, linear logits: seed 1's single layer grown, without its ReLU on the logits."""
+    """Flatten, ReLU hidden layers, linear logits: the asker's single layer grown, without its ReLU on the logits."""
 
     def __init__(self, in_features: int = 64, hidden=(128,), num_classes: int = 10, seed: int = 0):
         sizes = [in_features, *hidden, num_classes]
@@ -103,7 +100,7 @@ class MLP(Sequential):
 
 
 def cnn_stages(input_shape=(8, 8, 1), num_classes: int = 10, seed: int = 0, devices=None):
-    """The seed-2 CNN split into its three `tf.device` blocks, as three `Sequential`s.
+    """The pipeline asker's CNN split into its three `tf.device` blocks, as three `Sequential`s.
 
     With `devices` (three names), stage i and its variables are created on devices[i].
     """

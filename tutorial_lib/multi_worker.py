@@ -99,7 +99,6 @@ def train(args) -> int:
     resolver = strategy.cluster_resolver  # without TF_CONFIG: a one-worker job, task None
     workers, me, chief = strategy.num_replicas_in_sync, resolver.task_id or 0, is_chief(resolver)
     _check_crash_worker(args, workers)
-    global_batch = args.batch * workers
 
     with strategy.scope():
         model = models.MLP(hidden=HIDDEN, seed=args.seed)
@@ -130,7 +129,7 @@ def train(args) -> int:
 
     batches = iter(strategy.distribute_datasets_from_function(dataset_fn))
 
-    train_step = mirrored_train_step(strategy, model, optimizer, global_batch)  # notebook 03's step
+    train_step = mirrored_train_step(strategy, model, optimizer)  # notebook 03's step
 
     # Only the chief keeps a step log; the others write theirs to nowhere.
     with open(os.path.join(args.out, "steps.jsonl") if chief else os.devnull, "a") as log:
@@ -152,6 +151,25 @@ def train(args) -> int:
     return 0
 
 
+def tf_config_problem(text: str | None) -> str | None:
+    """What is wrong with a `TF_CONFIG` value (None if nothing, or if it is unset: one worker)."""
+    if not text:
+        return None
+    fix = 'set it to JSON such as {"cluster": {"worker": ["localhost:2222"]}, "task": {"type": "worker", "index": 0}}'
+    try:
+        config = json.loads(text)
+        tasks = config.get("cluster", {}).get(config["task"]["type"], [])
+        index = config["task"]["index"]
+    except (ValueError, KeyError, TypeError, AttributeError) as err:
+        return f"TF_CONFIG is not a cluster and a task ({type(err).__name__}: {err}); {fix}, or unset it"
+    if not isinstance(index, int) or not 0 <= index < len(tasks):
+        return (
+            f"TF_CONFIG's task index {index!r} is outside its {len(tasks)} {config['task']['type']!r} task(s): "
+            f"give an index from 0 to {len(tasks) - 1}"
+        )
+    return None
+
+
 def parse(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=40)
@@ -170,7 +188,15 @@ def parse(argv=None):
         parser.error("--steps, --batch and --checkpoint-every must be >= 1")
     if args.crash_worker < 0:
         parser.error(f"--crash-worker must be a worker index >= 0 (0 is the chief), got {args.crash_worker}")
+    if not args.collective_timeout > 0:
+        parser.error(f"--collective-timeout must be a number of seconds > 0, got {args.collective_timeout}")
     args.checkpoint_dir = args.checkpoint_dir or os.path.join(args.out, "checkpoints")
+    for option, folder in (("--out", args.out), ("--checkpoint-dir", args.checkpoint_dir)):
+        if os.path.exists(folder) and not os.path.isdir(folder):
+            parser.error(f"{option} {folder!r} is a file, not a folder: give the path of a folder (new or existing)")
+    problem = tf_config_problem(os.environ.get("TF_CONFIG"))
+    if problem:
+        parser.error(problem)
     os.makedirs(args.out, exist_ok=True)
     return args
 

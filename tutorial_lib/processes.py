@@ -21,12 +21,18 @@ from __future__ import annotations
 import atexit
 import ctypes
 import os
+import re
 import signal
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
+# TensorFlow's C++ INFO lines at start-up ("I0000 00:00:... port.cc:153] oneDNN ..."), printed
+# before its logging is configured, so TF_CPP_MIN_LOG_LEVEL cannot silence them. Warnings
+# and errors are kept.
+STARTUP_NOISE = re.compile(r"^(I\d{4} \d\d:\d\d:|WARNING: All log messages before absl::InitializeLog)")
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 _children: list[subprocess.Popen] = []
 _lock = threading.Lock()
@@ -72,6 +78,14 @@ def stop(processes, grace: float = 5.0) -> None:
         end = time.monotonic() + grace
         while any(p.poll() is None for p in alive) and time.monotonic() < end:
             time.sleep(0.05)
+
+
+def log_tail(path, lines: int = 15) -> str:
+    """The last lines of a child's log file, without TensorFlow's start-up INFO lines ('' if none)."""
+    path = Path(path)
+    text = path.read_text(errors="replace") if path.exists() else ""
+    kept = [line for line in text.splitlines() if not STARTUP_NOISE.match(line)]
+    return "\n".join(kept[-lines:])
 
 
 def running_children() -> list[subprocess.Popen]:

@@ -1,7 +1,5 @@
-"""The single-device reference that every parallel method is checked against.
-
-One plain SGD step of one model on the whole batch: towers, all-reduce, pipelines and
-strategies are right when they end with the same loss and the same weights as this.
+"""The one-device reference every parallel method is checked against: a plain SGD step on the
+whole batch, in training mode with the model's regularization losses, as a Keras loop does.
 """
 
 from __future__ import annotations
@@ -12,19 +10,20 @@ from . import checks, models
 
 
 def apply_sgd(variables, grads, learning_rate: float) -> None:
-    """Plain SGD, each update on the device of its variable; a None gradient leaves its variable alone."""
+    """Plain SGD, each update on its variable's device (`assign_sub` runs there); a None gradient
+    leaves its variable alone."""
     variables, grads = list(variables), list(grads)
     checks.same_length("variables", variables, "gradients", grads)  # zip would skip the extra variables
     for v, g in zip(variables, grads, strict=True):
         if g is not None:
-            with tf.device(v.device):
-                v.assign_sub(learning_rate * g)
+            v.assign_sub(learning_rate * g)
 
 
 def loss_and_gradients(model, x, y, loss_fn=models.cross_entropy):
-    """The loss of `model` on the whole batch and its gradients, one per trainable variable."""
+    """The loss of `model` on the whole batch in training mode, its regularization losses included,
+    and its gradients, one per trainable variable."""
     with tf.GradientTape() as tape:
-        loss = loss_fn(model(x), y)
+        loss = loss_fn(model(x, training=True), y) + sum(model.losses)
     return loss, tape.gradient(loss, model.trainable_variables)
 
 

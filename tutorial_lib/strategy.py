@@ -1,8 +1,7 @@
-"""TensorFlow's own route: MirroredStrategy helpers.
+"""TensorFlow's own route: `MirroredStrategy` in a custom training loop, without `fit`.
 
-Notebook 03 writes the all-reduce by hand; these let the same custom training loop (no
-Keras `fit`) run under `tf.distribute`, which does the all-reduce inside
-`apply_gradients`. `multi_worker` uses the same step under `MultiWorkerMirroredStrategy`.
+`mirrored_train_step` is notebook 03's step (a copy); `multi_worker` runs it under
+`MultiWorkerMirroredStrategy`. `mirrored_strategy` lets several strategies share a process.
 """
 
 from __future__ import annotations
@@ -11,35 +10,37 @@ import tensorflow as tf
 
 
 def mirrored_strategy(devices, cross_device_ops=None) -> tf.distribute.MirroredStrategy:
-    """A `MirroredStrategy` whose collective keys cannot collide with an earlier one's.
-
-    Every `MirroredStrategy` numbers its collective groups from the same base. A second
-    strategy over a different number of devices in the same process then reuses a group key
-    with another size and fails with "... is joining a group with size 2, but that group has
-    size 4". TensorFlow's own tests move the base between strategies; so does this.
+    """A `MirroredStrategy` whose collective keys cannot collide with an earlier one's (a second
+    strategy over another device count otherwise fails: "... is joining a group with size 2, but
+    that group has size 4"). It moves the PRIVATE `_collective_key_base`, as TensorFlow's own
+    tests do; the public route is one strategy per process.
     """
     tf.distribute.MirroredStrategy._collective_key_base += 100_000
     return tf.distribute.MirroredStrategy(devices, cross_device_ops=cross_device_ops)
 
 
-def mirrored_train_step(strategy, model, optimizer, global_batch: int):
-    """Notebook 03's custom step under a `tf.distribute` strategy; returns the batch's loss.
+# lesson: 03_nccl_allreduce
+def mirrored_train_step(strategy, model, optimizer):
+    """A tf.function of a distributed batch (x, y) under `strategy`: one training step, the batch's loss back.
 
-    Each replica divides its summed loss by the global batch, so that the gradients, summed
-    across replicas inside `apply_gradients`, are those of the global mean.
-    """
+    Each replica divides its summed loss by the examples the whole batch holds (a short last batch
+    holds fewer), and its regularization losses by the number of replicas: the replicas' gradients
+    are summed inside apply_gradients, so the sum is the gradient of the batch's loss."""
 
     @tf.function
     def step(dist_x, dist_y):
         def replica_step(x, y):
+            context = tf.distribute.get_replica_context()
+            examples = context.all_reduce("SUM", tf.cast(tf.shape(y)[0], tf.float32))  # over every replica
             with tf.GradientTape() as tape:
-                per_example = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=model(x))
-                loss = tf.nn.compute_average_loss(per_example, global_batch_size=global_batch)
+                logits = model(x, training=True)
+                per_example = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits)
+                loss = tf.reduce_sum(per_example) / examples + sum(model.losses) / context.num_replicas_in_sync
             grads = tape.gradient(loss, model.trainable_variables)
             optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
             return loss
 
         losses = strategy.run(replica_step, args=(dist_x, dist_y))
-        return strategy.reduce(tf.distribute.ReduceOp.SUM, losses, axis=None)
+        return strategy.reduce("SUM", losses, axis=None)
 
     return step

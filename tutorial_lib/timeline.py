@@ -7,15 +7,8 @@ comes from `placement`, the graphs TensorFlow executed (after soft placement), s
 logical CPU has no timeline of its own; `requested_placement` lists what `tf.device` asked
 for. `busy_fraction`, `mean_busy_devices` and `plot` read the events.
 
-On core devices (`devices.simulate(n, kind="cores")`) the ops run in other processes,
-which this process's profiler cannot see. Each worker serves TensorFlow's profiler
-(`tf.profiler.experimental.server.start`, see `core_worker`), and `trace` asks all of them
-for a trace at once with `tf.profiler.experimental.client.trace`, running `fn` while they
-capture. Each worker's file holds the ops that worker ran, so its device is the worker's
-device; every file counts time from its own session start, which it records, so adding it
-puts all workers on one clock (they share this machine's clock). This process's own
-profiler runs meanwhile: ops with no `tf.device` scope run here, on no core device, and
-`trace` warns when it finds any (their device is this process's, such as '/device:CPU:0').
+On core devices (`devices.simulate(n, kind="cores")`) the ops run in other processes;
+`worker_traces` captures them from every worker and puts them on one clock.
 
 Caveat worth teaching: an op is "busy" from its start to its end even while the OS has
 paused its thread, so on C cores more than C devices can look busy at once. Throughput,
@@ -24,15 +17,9 @@ not the timeline, says how many really ran in parallel (notebook 00 measures bot
 
 from __future__ import annotations
 
-import contextlib
 import glob
-import os
 import re
-import sys
 import tempfile
-import threading
-import time
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -54,15 +41,6 @@ PHASE_COLORS = {
     "update": "tab:green",
     "other": "tab:gray",
 }
-# Core devices: the workers' profilers start capturing within CAPTURE_LEAD_S of being asked
-# (checked afterwards from the session times each one records), and capture for the lead,
-# plus CAPTURE_MARGIN times the steps as long as an untraced step took, plus CAPTURE_SLACK_S.
-CAPTURE_LEAD_S = 0.5
-CAPTURE_MARGIN = 3.0
-CAPTURE_SLACK_S = 1.0
-JOIN_GRACE_S = 60.0  # how long after the window the profiler may take to send its traces
-# Name scopes that mark gradient communication (averaging, all-reduce): towers.average_gradients,
-# allreduce's reducers (and the notebooks' copies), and common names for the same work.
 _REDUCE_SCOPES = (
     "average_gradients",
     "central_all_reduce",
@@ -116,14 +94,14 @@ def placement(fn, *args, **kwargs) -> list[tuple[str, str, str]]:
     view (the public route, which writes them to a summary file instead). The context is
     `tensorflow.python.eager.context`, a private module: TensorFlow 2.21's.
     """
-    _refuse_stopped_workers()
+    core_devices.check_workers()  # TensorFlow would ask a dead worker for its graphs and wait
     fresh = tf.function(getattr(fn, "python_function", fn))  # placed when first run: now
     variables = fresh.get_concrete_function(*args, **kwargs).variables
     saved = [v.numpy() for v in variables]
     ctx = context.context()
     ctx.enable_graph_collection()
     try:
-        _fetch(fresh(*args, **kwargs))
+        fetch(fresh(*args, **kwargs))
         metadata = ctx.export_run_metadata()
     finally:
         ctx.disable_graph_collection()
@@ -140,18 +118,6 @@ def placement(fn, *args, **kwargs) -> list[tuple[str, str, str]]:
             "TensorFlow returned no executed graph for fn; was it run eagerly (tf.config.run_functions_eagerly)?"
         )
     return rows
-
-
-def _refuse_stopped_workers() -> None:
-    """Refuse to export run metadata while a core device's worker is down: TensorFlow asks
-    every worker for it and would wait for the stopped one forever."""
-    stopped = [w for w in core_devices.workers if w.process.poll() is not None]
-    if stopped:
-        raise RuntimeError(
-            f"the core device(s) {[core_devices.device_name(w.task) for w in stopped]} stopped (their worker "
-            f"process exited), so TensorFlow cannot say where fn ran. Their logs: {[str(w.log) for w in stopped]}. "
-            "Restart the kernel to start the core devices again."
-        )
 
 
 def requested_placement(fn, *args, **kwargs) -> list[tuple[str, str, str]]:
@@ -182,8 +148,9 @@ def trace(fn, *args, steps: int = 1, placement_of=None, **kwargs) -> list[Event]
     capture; a traced run that outlasts it, or a worker that sends no trace, is an error.
     """
     steps = checks.whole_number(steps, "steps")
+    core_devices.check_workers()  # before the warm-up, which would fail less clearly
     f = fn if placement_of is not None else _as_function(fn)
-    _fetch(f(*args, **kwargs))  # warm-up, not traced
+    fetch(f(*args, **kwargs))  # warm-up, not traced
     where = {}
     if placement_of is not None:
         functions = placement_of() if callable(placement_of) else placement_of  # after the warm-up
@@ -202,12 +169,14 @@ def trace(fn, *args, steps: int = 1, placement_of=None, **kwargs) -> list[Event]
     # all day must not fill the temporary folder.
     with tempfile.TemporaryDirectory(prefix="tutorial_trace_") as logdir:
         if core_devices.workers:
-            return _trace_cores(f, args, kwargs, steps, logdir, where)
-        _profile(f, args, kwargs, steps, logdir)
-        return _as_events(r for space in _read_spaces(logdir).values() for r in _space_events(space, where))
+            from . import worker_traces  # it reads traces with this module's functions
+
+            return worker_traces.trace_cores(f, args, kwargs, steps, logdir, where)
+        profile(f, args, kwargs, steps, logdir)
+        return as_events(r for space in read_spaces(logdir).values() for r in space_events(space, where))
 
 
-def _profile(f, args, kwargs, steps: int, logdir: str) -> None:
+def profile(f, args, kwargs, steps: int, logdir: str) -> None:
     """Run `f` `steps` times under the profiler, which writes its trace into `logdir`."""
     # Default options: the host tracer at level 2 (TensorFlow ops) and the device tracer.
     # TensorFlow 2.21 ignores explicit ProfilerOptions and warns four times per trace.
@@ -215,90 +184,12 @@ def _profile(f, args, kwargs, steps: int, logdir: str) -> None:
     try:
         for _ in range(steps):
             result = f(*args, **kwargs)
-        _fetch(result)
+        fetch(result)
     finally:
         tf.profiler.experimental.stop()
 
 
-def _trace_cores(f, args, kwargs, steps: int, logdir: str, where: dict[str, str]) -> list[Event]:
-    """`trace` on core devices: every worker's ops, and this process's own, on one clock."""
-    hosts = {w.profiler.replace(":", "_"): core_devices.device_name(w.task) for w in core_devices.workers}
-    ran = _profile_workers(f, args, kwargs, steps, logdir, [w.profiler for w in core_devices.workers])
-    events = _core_events(_read_spaces(f"{logdir}/workers"), hosts, where, ran, _read_spaces(f"{logdir}/local"))
-    here = [e for e in events if e.device not in hosts.values()]
-    if here:
-        warnings.warn(
-            f"{len(here)} op runs of fn were in this process, on no core device (e.g. {here[0].op!r}): ops "
-            f"without a tf.device scope, such as a gradient computed outside the stages' scopes, run "
-            f"here. They are in the events as device {here[0].device!r}; put them under tf.device to "
-            "run them on a core device.",
-            stacklevel=3,
-        )
-    return events
-
-
-def _profile_workers(f, args, kwargs, steps: int, logdir: str, addresses: list[str]) -> tuple[int, int]:
-    """Run `f` `steps` times while the profiler servers at `addresses` capture into
-    `logdir`/workers, and this process's profiler into `logdir`/local.
-
-    Returns when `f` started and ended, in nanoseconds since the epoch (the profiler's clock).
-    """
-    began = time.perf_counter()
-    _fetch(f(*args, **kwargs))  # an untraced step, timed: it sizes the capture window
-    window_s = CAPTURE_LEAD_S + CAPTURE_SLACK_S + CAPTURE_MARGIN * steps * (time.perf_counter() - began)
-    failures: list[BaseException] = []
-
-    def capture() -> None:  # blocks for the whole window, so it runs beside f in a thread
-        try:
-            tf.profiler.experimental.client.trace(
-                ",".join(f"grpc://{a}" for a in addresses),
-                f"{logdir}/workers",
-                int(window_s * 1000),
-                num_tracing_attempts=1,
-            )
-        except Exception as err:  # reported after the join, in the calling thread
-            failures.append(err)
-
-    capturing = threading.Thread(target=capture, name="tutorial_trace", daemon=True)
-    with _c_stdout_silenced():  # the profiler client prints "Starting to trace ..." from C++
-        capturing.start()
-        try:
-            time.sleep(CAPTURE_LEAD_S)  # the request reaches the workers and they start capturing
-            start_ns = time.time_ns()
-            _profile(f, args, kwargs, steps, f"{logdir}/local")  # the ops this process runs itself
-            end_ns = time.time_ns()
-        finally:  # even when f raises: nothing may write into logdir once it is removed
-            capturing.join(window_s + JOIN_GRACE_S)
-    if capturing.is_alive():
-        raise RuntimeError(
-            f"the core devices' profilers did not answer within {JOIN_GRACE_S:.0f} s after the "
-            f"{window_s:.1f} s capture window ({', '.join(addresses)}); are the workers still running? "
-            "Restart the kernel to start them again."
-        )
-    if failures and not glob.glob(f"{logdir}/workers/**/*.xplane.pb", recursive=True):
-        raise RuntimeError(f"the core devices' profilers returned no trace: {failures[0]}") from failures[0]
-    return start_ns, end_ns
-
-
-@contextlib.contextmanager
-def _c_stdout_silenced():
-    """Send what C++ code writes to file descriptor 1 to /dev/null for the block.
-
-    Python's own `print` is unaffected in Jupyter (its `sys.stdout` is not descriptor 1);
-    in a terminal it is flushed first and silenced too, for the few seconds of a capture.
-    """
-    sys.stdout.flush()
-    saved = os.dup(1)
-    try:
-        with open(os.devnull, "w") as devnull:
-            os.dup2(devnull.fileno(), 1)
-        yield
-    finally:
-        os.dup2(saved, 1)
-        os.close(saved)
-
-
-def _fetch(result) -> None:
+def fetch(result) -> None:
     """Wait until every tensor of `result` is computed."""
     tf.nest.map_structure(lambda t: t.numpy() if hasattr(t, "numpy") else t, result)
 
@@ -323,7 +214,7 @@ class _Raw(NamedTuple):
     on_gpu_plane: bool
 
 
-def _read_spaces(logdir: str) -> dict:
+def read_spaces(logdir: str) -> dict:
     """Every trace file under `logdir`, by host (the file's name, as `localhost_12345`)."""
     return {
         Path(path).name.removesuffix(".xplane.pb"): _load_space(path)
@@ -331,46 +222,7 @@ def _read_spaces(logdir: str) -> dict:
     }
 
 
-def _core_events(spaces: dict, hosts: dict[str, str], where: dict[str, str], ran: tuple[int, int], local=None):
-    """The ops of `fn` in the core devices' traces, and in this process's (`local`), on one clock.
-
-    `spaces`: host -> its trace; `hosts`: host -> the device its worker is; `ran`: when fn
-    started and ended (ns since the epoch). Refuses traces that miss a worker or part of fn.
-    This process's ops get their device from the graph's placement (`where`), as in `trace`.
-    """
-    missing = sorted(set(hosts) - set(spaces))
-    if missing:
-        raise RuntimeError(
-            f"the profiler returned no trace for {[hosts[h] for h in missing]}; it returned {sorted(spaces)}. "
-            "Has that worker stopped? Its log is in tutorial_lib.core_devices.workers[task].log; restart "
-            "the kernel to start the core devices again."
-        )
-    for host, device in hosts.items():
-        _check_window(spaces[host], device, ran)
-    raw = [r for host, device in hosts.items() for r in _space_events(spaces[host], where, device)]
-    raw += [r for space in (local or {}).values() for r in _space_events(space, where)]
-    return _as_events(raw)
-
-
-def _check_window(space, device: str, ran: tuple[int, int]) -> None:
-    """Refuse a trace whose capture window does not cover the whole run of fn."""
-    session = _session_ns(space)
-    if session is None:
-        raise RuntimeError(
-            f"the trace of {device} does not record when it started, so it cannot be put on the same "
-            "clock as the other devices' traces (a TensorFlow version whose profiler does not write "
-            "the 'Task Environment' plane?)."
-        )
-    if session[0] > ran[0] or session[1] < ran[1]:
-        ms = [(t - ran[0]) / 1e6 for t in (*session, ran[1])]
-        raise RuntimeError(
-            f"the profiler of {device} captured from {ms[0]:+.0f} ms to {ms[1]:+.0f} ms but fn ran from 0 to "
-            f"{ms[2]:.0f} ms, so the timeline would miss ops. The capture window is sized from an untraced "
-            "step; on a busy machine a traced step can take much longer: call trace again, or with fewer steps."
-        )
-
-
-def _session_ns(space) -> tuple[int, int] | None:
+def session_ns(space) -> tuple[int, int] | None:
     """When the profiler session of a trace started and stopped (ns since the epoch), if recorded."""
     for plane in space.planes:
         if plane.name == "Task Environment":
@@ -380,21 +232,21 @@ def _session_ns(space) -> tuple[int, int] | None:
     return None
 
 
-def _space_events(space, where: dict[str, str], device: str | None = None):
+def space_events(space, where: dict[str, str], device: str | None = None):
     """The ops of one trace file, timed in picoseconds since the epoch where the file says
     when its session started (its lines count from there).
 
     `device`: the device that wrote this file (a core device's worker), or None for this
     process's own trace, where the graph's placement (`where`) says each op's device.
     """
-    session = _session_ns(space)
+    session = session_ns(space)
     start_ps = session[0] * 1000 if session else 0
     for plane in space.planes:
         for r in _plane_events(plane, where, start_ps):
             yield r._replace(device=device) if device else r
 
 
-def _as_events(raw) -> list[Event]:
+def as_events(raw) -> list[Event]:
     """Events in milliseconds from the first op's start, sorted by start."""
     raw = list(raw)
     # On GPUs the host plane only shows kernel launches; keep the GPU plane's kernels.
@@ -451,7 +303,7 @@ def _lookup(where: dict[str, str], op: str) -> str | None:
 # --- reading the events --------------------------------------------------------------
 
 
-def _merged(intervals):
+def merged(intervals):
     """Union of [start, end) intervals as a sorted list without overlaps."""
     out = []
     for start, end in sorted(intervals):
@@ -474,7 +326,7 @@ def busy_fraction(events, devices=None) -> dict[str, float]:
     devices = [normalize(d) for d in devices] if devices else sorted({e.device for e in events})
     total = span(events)
     return {
-        d: sum(b - a for a, b in _merged((e.start, e.end) for e in events if e.device == d)) / total for d in devices
+        d: sum(b - a for a, b in merged((e.start, e.end) for e in events if e.device == d)) / total for d in devices
     }
 
 
@@ -484,7 +336,7 @@ def phase_time(events) -> dict[str, dict[str, float]]:
     for device in sorted({e.device for e in events}):
         for phase in PHASE_COLORS:
             spans = [(e.start, e.end) for e in events if e.device == device and e.phase == phase]
-            table.setdefault(device, {})[phase] = sum(b - a for a, b in _merged(spans))
+            table.setdefault(device, {})[phase] = sum(b - a for a, b in merged(spans))
     return table
 
 

@@ -1,11 +1,5 @@
-"""Data parallelism by hand: split the batch into towers, average their gradients.
-
-This is the pattern of TensorFlow's classic `cifar10_multi_gpu_train.py`, in TF 2: one
-set of variables (on a controller device), one tower per device computing the loss and
-gradients of its share of the batch, and the averaged gradient applied once.
-
-Tower gradients come in either of two shapes, K towers x N variables each: plain
-gradients, or cifar10's `(gradient, variable)` pairs from `optimizer.compute_gradients`.
+"""Data parallelism by hand, as in `cifar10_multi_gpu_train.py`: towers that share one set of
+variables, their gradients averaged on a controller (notebook 02's lessons), and `split_batch`.
 """
 
 from __future__ import annotations
@@ -13,7 +7,6 @@ from __future__ import annotations
 import tensorflow as tf
 
 from . import checks, models
-from .reference import apply_sgd  # also towers.apply_sgd, the name the notebooks use
 
 
 def split_batch(batch, n: int):
@@ -34,94 +27,42 @@ def split_batch(batch, n: int):
     return [tf.nest.pack_sequence_as(batch, [p[i] for p in parts]) for i in range(n)]
 
 
-def _is_pair(entry) -> bool:
-    return isinstance(entry, tuple) and len(entry) == 2  # a gradient itself is never a tuple
-
-
-def unzip_tower_grads(tower_grads):
-    """Check K towers of N gradients each; return (K lists of gradients, K lists of variables).
-
-    Towers of plain gradients come back as lists, with None for the variables. Towers of
-    cifar10's `(gradient, variable)` pairs are split in two; a mix of both kinds is refused.
-    """
-    kinds = {_is_pair(entry) for tower in tower_grads for entry in tower}
-    if len(kinds) > 1:
-        raise ValueError(
-            "tower gradients mix (gradient, variable) pairs and plain gradients: "
-            "give every tower the same kind, e.g. all from optimizer.compute_gradients."
-        )
-    if kinds == {True}:
-        grads = [[g for g, _ in tower] for tower in tower_grads]
-        variables = [[v for _, v in tower] for tower in tower_grads]
-    else:
-        grads, variables = [list(tower) for tower in tower_grads], None
-    _check_tower_grads(grads)
-    return grads, variables
-
-
-def average_gradients(tower_grads, device: str | None = None):
-    """Average K towers' gradients (K lists of N) into N gradients, on `device`.
-
-    A variable that no tower's loss uses has gradient None in every tower; it stays None.
-    Given cifar10's `(gradient, variable)` pairs, returns N pairs, each with tower 0's
-    variable (the towers share their variables there).
-    """
-    grads, variables = unzip_tower_grads(tower_grads)
-    k = len(grads)
-    averaged = []
-    with tf.device(device), tf.name_scope("average_gradients"):
-        for per_tower in zip(*grads, strict=True):
-            if per_tower[0] is None:
-                averaged.append(None)
-            else:
-                averaged.append(tf.add_n(list(per_tower)) / tf.cast(k, per_tower[0].dtype))
-    return averaged if variables is None else list(zip(averaged, variables[0], strict=True))
-
-
-def _check_tower_grads(tower_grads) -> None:
-    if not tower_grads:
-        raise ValueError("no towers: the gradient list is empty.")
-    lengths = {len(g) for g in tower_grads}
-    if len(lengths) != 1:
-        raise ValueError(f"every tower must give one gradient per variable, got lengths {sorted(lengths)}.")
-    for j, per_tower in enumerate(zip(*tower_grads, strict=True)):
-        missing = [g is None for g in per_tower]
-        if any(missing) and not all(missing):
-            raise ValueError(f"variable {j} has a gradient in some towers and None in others.")
-        kinds = {(tuple(g.shape), g.dtype.name) for g in per_tower if g is not None}
-        if len(kinds) > 1:
-            raise ValueError(
-                f"variable {j} has gradients of different shapes or dtypes across towers: {sorted(kinds)}."
-            )
-
-
+# lesson: 02_tower_averaging
 def tower_gradients(model, x, y, devices):
-    """Per-tower losses and gradients: tower i runs `model` on shard i under devices[i]."""
-    devices = checks.device_list(devices)
-    losses, grads = [], []
-    shards = split_batch((x, y), len(devices))
-    for i, (device, (xs, ys)) in enumerate(zip(devices, shards, strict=True)):
+    """Tower i runs `model` on shard i of the batch, under devices[i]: the towers' losses and gradients."""
+    n = len(devices)
+    tower_losses, tower_grads = [], []
+    for i, (device, xs, ys) in enumerate(zip(devices, tf.split(x, n), tf.split(y, n), strict=True)):
         with tf.device(device), tf.name_scope(f"tower_{i}"):
             with tf.GradientTape() as tape:
-                loss = models.cross_entropy(model(xs), ys)
-            grads.append(tape.gradient(loss, model.trainable_variables))
-            losses.append(loss)
-    return losses, grads
+                loss = models.cross_entropy(model(xs, training=True), ys) + sum(model.losses)  # mean over the shard
+            tower_grads.append(tape.gradient(loss, model.trainable_variables))
+            tower_losses.append(loss)
+    return tower_losses, tower_grads
 
 
-def make_train_step(model, devices, learning_rate: float, controller: str | None = None):
-    """A `tf.function` step: towers on `devices`, gradients averaged on `controller`.
+# lesson: 02_tower_averaging
+def average_gradients(tower_grads, device=None):
+    """K towers x N variables -> N averaged gradients, computed on `device` (the controller); None stays None."""
+    with tf.device(device), tf.name_scope("average_gradients"):
+        return [
+            None if grads[0] is None else tf.add_n(list(grads)) / len(grads) for grads in zip(*tower_grads, strict=True)
+        ]
 
-    Returns the mean loss of the towers, which is the loss of the whole batch.
-    """
-    devices = checks.device_list(devices)
+
+# lesson: 02_tower_averaging
+def make_train_step(model, devices, learning_rate, controller=None):
+    """A tf.function of (x, y): towers on `devices`, their gradients averaged and applied by SGD on the
+    controller (the first device unless given). Returns the towers' mean loss, the whole batch's loss."""
     controller = controller or devices[0]
 
     @tf.function
     def step(x, y):
         losses, grads = tower_gradients(model, x, y, devices)
-        apply_sgd(model.trainable_variables, average_gradients(grads, controller), learning_rate)
         with tf.device(controller):
+            for v, g in zip(model.trainable_variables, average_gradients(grads, controller), strict=True):
+                if g is not None:
+                    v.assign_sub(learning_rate * g)
             return tf.add_n(losses) / len(losses)
 
     return step

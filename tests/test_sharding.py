@@ -1,0 +1,128 @@
+"""ZeRO stages 0-3 from the ring's halves: equal to Keras Adam on one device, memory and bytes by formula."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tutorial_lib import devices, sharding
+
+WIDTHS = (64, 16, 10)  # layers of 1040 and 170 numbers: 3 does not divide them
+
+
+@pytest.fixture(scope="module")
+def devs():
+    return devices.simulate(4, kind="cpu")
+
+
+def _problem():
+    rng = np.random.default_rng(0)
+    flats = [
+        tf.constant(0.1 * rng.normal(size=[WIDTHS[k] * WIDTHS[k + 1] + WIDTHS[k + 1]]).astype(np.float32))
+        for k in range(2)
+    ]
+    x = tf.constant(rng.normal(size=[12, 64]).astype(np.float32))
+    y = tf.constant(rng.integers(0, 10, 12).astype(np.int32))
+    return flats, x, y
+
+
+def _keras_adam(flats, x, y, steps):
+    weights, adam = [tf.Variable(f) for f in flats], tf.keras.optimizers.Adam(1e-2)
+    for _ in range(steps):
+        with tf.GradientTape() as tape:
+            loss = sharding.local_loss(weights, x, y, WIDTHS)
+        adam.apply_gradients(zip(tape.gradient(loss, weights), weights, strict=True))
+    return weights
+
+
+@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_each_stage_equals_keras_adam_and_moves_the_formula_bytes(devs, n, stage):
+    flats, x, y = _problem()
+    state, traffic = sharding.make_state(flats, devs[:n], stage), [0] * n
+    for step in range(1, 4):
+        sharding.zero_step(state, devs[:n], x, y, WIDTHS, stage, step, traffic)
+    whole = [tf.concat([h["params"][k] for h in state], 0) if stage == 3 else state[-1]["params"][k] for k in range(2)]
+    for mine, reference in zip(whole, _keras_adam(flats, x, y, 3), strict=True):
+        np.testing.assert_allclose(mine.numpy(), reference.numpy(), atol=1e-5)
+    psi = sum(f.shape[0] for f in flats)
+    halves = 3 if stage == 3 else 2  # reduce-scatter + all-gather; stage 3 gathers twice
+    assert sum(traffic) == 3 * halves * (n - 1) * psi * 4  # 3 steps, each chunk sent n - 1 times
+    memory = sharding.memory_per_device(state, devs[:n])
+    first = [sharding.shard_sizes(f.shape[0], n)[0] for f in flats]
+    held = {k: 4 * (sum(first) if k in sharding.SHARDED[stage] else psi) for k in ("params", "grads", "m")}
+    assert memory[devs[0]] == {"params": held["params"], "grads": held["grads"], "optimizer": 2 * held["m"]}
+
+
+def test_shard_sizes_are_the_rings_chunks():
+    assert sharding.shard_sizes(10, 3) == [4, 3, 3]
+    assert sum(sharding.shard_sizes(1040, 3)) == 1040
+
+
+@pytest.mark.parametrize(
+    "stage, n, message",
+    [
+        (4, 2, "stage must be 0"),
+        (True, 2, "stage must be 0"),
+        (1, 1, "two or more devices"),
+    ],
+)
+def test_bad_input_is_refused(devs, stage, n, message):
+    flats, _, _ = _problem()
+    with pytest.raises(ValueError, match=message):
+        sharding.checked_stage(stage, devs[:n], flats)
+
+
+def test_repeated_devices_and_tiny_layers_are_refused(devs):
+    flats, _, _ = _problem()
+    with pytest.raises(ValueError, match="distinct"):
+        sharding.checked_stage(1, [devs[0], "cpu:0"], flats)
+    with pytest.raises(ValueError, match="cannot give each of 4 devices"):
+        sharding.checked_stage(3, devs, [tf.zeros([3])])
+    with pytest.raises(ValueError, match="made for 2 devices but 3 were passed"):
+        sharding.checked_stage(1, devs[:3], flats, state=sharding.make_state(flats, devs[:2], 1))
+    assert sharding.checked_stage(0, devs[:1], flats) == 0
+
+
+def test_megatron_mlp_equals_one_device_forward_and_backward_with_one_all_reduce_each(devs):
+    n, rng = 3, np.random.default_rng(1)
+    x, a, b, dz = (tf.constant(rng.normal(size=s).astype(np.float32)) for s in ([4, 6], [6, 12], [12, 6], [4, 6]))
+    with tf.GradientTape() as tape:
+        tape.watch([x, a, b])
+        z = tf.nn.relu(x @ a) @ b
+    dx, da, db = tape.gradient(z, [x, a, b], output_gradients=dz)
+    copies, traffic = sharding.placed([x] * n, devs[:n]), [0] * n
+    a_parts, b_parts = tf.split(a, n, axis=1), tf.split(b, n, axis=0)
+    with tf.GradientTape() as tape:
+        tape.watch(copies + a_parts + b_parts)
+        outs = sharding.megatron_mlp(copies, a_parts, b_parts, devs[:n], traffic)
+    assert traffic == [2 * (n - 1) * 4 * 6 * 4 // n] * n  # one ring all-reduce of Z per device
+    assert [devices.normalize(o.device) for o in outs] == devs[:n]
+    gx, ga, gb = tape.gradient(outs, [copies, a_parts, b_parts], output_gradients=[dz] * n)
+    assert traffic == [2 * 2 * (n - 1) * 4 * 6 * 4 // n] * n  # and one of X's gradient
+    for out, grad in zip(outs, gx, strict=True):
+        np.testing.assert_allclose(out.numpy(), z.numpy(), atol=1e-5)
+        np.testing.assert_allclose(grad.numpy(), dx.numpy(), atol=1e-5)
+    np.testing.assert_allclose(tf.concat(ga, 1).numpy(), da.numpy(), atol=1e-5)
+    np.testing.assert_allclose(tf.concat(gb, 0).numpy(), db.numpy(), atol=1e-5)
+
+
+def test_tensor_parallel_widths_that_do_not_split_are_refused():
+    assert sharding.checked_split(12, 3) == 12
+    with pytest.raises(ValueError, match="does not split over 5 devices: use a multiple of 5"):
+        sharding.checked_split(12, 5)
+    with pytest.raises(ValueError, match="two or more devices"):
+        sharding.checked_split(12, 1)
+
+
+def test_dtensor_runs_on_logical_cpus_and_shards_a_matmul_by_columns(devs):
+    from tensorflow.experimental import dtensor
+
+    mesh = dtensor.create_mesh([("model", 2)], devices=devs[:2])
+    left, right = tf.ones([3, 4]), tf.reshape(tf.range(32, dtype=tf.float32), [4, 8])
+    replicated = dtensor.Layout.replicated(mesh, rank=2)
+    by_columns = dtensor.relayout(
+        dtensor.copy_to_mesh(right, replicated), dtensor.Layout([dtensor.UNSHARDED, "model"], mesh)
+    )
+    product = tf.function(tf.matmul)(dtensor.copy_to_mesh(left, replicated), by_columns)
+    assert [tuple(p.shape) for p in dtensor.unpack(product)] == [(3, 4), (3, 4)]
+    np.testing.assert_array_equal(dtensor.relayout(product, replicated).numpy(), (left @ right).numpy())

@@ -1,0 +1,116 @@
+"""examples/train_pipelined.py: the pipeline asker's take-away file."""
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "train_pipelined.py"
+_spec = importlib.util.spec_from_file_location("train_pipelined", EXAMPLE)
+example = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(example)
+
+# Every schedule checked against one device in ONE child process per device count.
+CHECK_ALL = """
+import sys
+sys.path.insert(0, {folder!r})
+import train_pipelined as t
+argv = ["--check", "--steps", "2", "--batch", "16", "--simulate", "{n}", "--schedule"]
+sys.exit(max(t.main([*argv, s]) for s in t.SCHEDULES))
+"""
+
+
+def run(*args, timeout=600):
+    env = {"TF_CPP_MIN_LOG_LEVEL": "3", "PATH": "/usr/bin:/bin", "HOME": str(Path.home())}
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("n", [2, 3])
+def test_every_schedule_passes_check_on_simulated_devices(n):
+    done = run("-c", CHECK_ALL.format(folder=str(EXAMPLE.parent), n=n))
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = [line for line in done.stdout.splitlines() if line.startswith("check:")]
+    assert len(lines) == 3 and all(f"on {n} devices" in line and "(ok)" in line for line in lines), done.stdout
+
+
+@pytest.mark.slow
+def test_check_finds_a_step_that_is_not_the_one_device_step(devs, monkeypatch):
+    update = example.update_stages
+
+    def forgets_stage_1(stages, devices, grads, learning_rate=None, optimizers=None):
+        ops = update(stages[:1], devices[:1], grads[:1], learning_rate, optimizers[:1] if optimizers else None)
+        return ops + update(stages[2:], devices[2:], grads[2:], learning_rate, optimizers[2:] if optimizers else None)
+
+    monkeypatch.setattr(example, "update_stages", forgets_stage_1)
+    (x, y), _ = example.load_data("digits")
+    args = example.parse(["--check", "--steps", "2", "--batch", "16"])
+    assert example.check(args, devs[:3], x, y) > 1e-3
+
+
+@pytest.mark.slow
+def test_a_default_run_prints_its_speedup_and_busy_shares_and_writes_json(tmp_path):
+    path = tmp_path / "metrics.json"
+    logs = tmp_path / "logs"
+    done = run(
+        str(EXAMPLE), "--steps", "4", "--batch", "16", "--simulate", "2", "--json", str(path), "--logdir", str(logs)
+    )
+    assert done.returncode == 0, done.stderr
+    assert "simulated CPU devices" in done.stdout and "8x8 digits" in done.stdout
+    metrics = json.loads(path.read_text())
+    assert metrics["verdict"] in {"faster", "slower", "no significant difference"} and metrics["verdict"] in done.stdout
+    assert len(metrics["busy_share"]) == 2 and all(0 < share <= 1 for share in metrics["busy_share"].values())
+    assert 0 <= metrics["test_accuracy"] <= 1 and metrics["speedup"] > 0
+    assert list(logs.glob("events.out.tfevents.*")), "no TensorBoard scalars in --logdir"
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--simulate", "4"], "choose from 1, 2, 3"),
+        (["--devices", "/GPU:0", "--simulate", "2"], "not both"),
+        (["--batch", "10", "--micro-batches", "4"], "multiple of --micro-batches 4"),
+        (["--steps", "0"], ">= 1"),
+        (["--profile"], "give --logdir DIR too"),
+        (["--data", "/nowhere/mnist.npz"], "no such file"),
+        (["--schedule", "zigzag"], "invalid choice"),
+        (["--json", "/nowhere/metrics.json"], "no such folder"),
+    ],
+)
+def test_bad_arguments_exit_2_with_the_fix(argv, message, capsys):
+    with pytest.raises(SystemExit) as done:
+        example.parse(argv)
+    assert done.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_its_timing_statistic_and_verdict_are_the_courses(monkeypatch):
+    # The file cannot import tutorial_lib: its copy of the statistic must agree with timing's.
+    from tutorial_lib import timing
+
+    samples = {"a": [3.0, 1.0, 2.0, 5.0, 4.0, 9.0, 2.5, 3.5, 1.5], "b": [6.0, 7.0, 5.5, 8.0, 6.5, 9.0, 7.5, 6.0, 5.0]}
+    warmup = [0.0 for name in samples]  # the warm-up round reads the clock once per call
+    ticks = iter(warmup + [t for r in range(9) for name in samples for t in (0.0, samples[name][r])])
+    monkeypatch.setattr(example.time, "perf_counter", lambda: next(ticks))
+
+    class Done:
+        def numpy(self):
+            return None
+
+    times = example.timed({name: Done for name in samples}, rounds=9)
+    for name, seconds in samples.items():
+        assert times[name] == pytest.approx(tuple(timing.summarize(seconds)[:2]))
+    a, b = (timing.summarize(s) for s in samples.values())
+    ratio, low, high, verdict = example.speedup(times["a"], times["b"])
+    assert (ratio, low, high) == pytest.approx(timing.ratio(b, a)) and verdict == timing.verdict(a, b)
+
+
+def test_logdir_without_tensorboard_exits_2_with_the_fix(monkeypatch, capsys):
+    # tf.summary.scalar raises once training has started when TensorBoard is missing: refuse before.
+    monkeypatch.setattr(example.importlib.util, "find_spec", lambda _: None)
+    with pytest.raises(SystemExit) as done:
+        example.parse(["--logdir", "logs"])
+    assert done.value.code == 2 and "pip install tensorboard" in capsys.readouterr().err

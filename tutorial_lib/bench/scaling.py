@@ -1,0 +1,145 @@
+"""Weak and strong scaling of the course's MLP on 1..N devices, with their summary lines.
+
+Variants: the hand towers (`towers.make_train_step`: one copy of the variables, averaged on
+the first device), the replicated step (`replicated.make_train_step`: a replica per device,
+ring all-reduce) and, on devices of this process, `MirroredStrategy`. TensorFlow's peer on
+core devices, `MultiWorkerMirroredStrategy`, runs in processes of its own (`bench.worker`).
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+
+from .. import timing
+from .rows import compared, device_model, row, synthetic_batch
+
+LEARNING_RATE = 0.01  # every variant's SGD step: the same update, so only the time differs
+
+
+def per(t: timing.Timing, count: float) -> timing.Timing:
+    """`t` divided by `count`: the time per example of a step of `count` examples."""
+    return timing.Timing(t.median / count, t.spread / count, t.samples)
+
+
+def efficiency(t, one, k: int, examples: int, one_examples: int) -> dict:
+    """Throughput on k devices over k times that on one, with its range; the verdict says whether
+    k devices process examples faster than one, beyond the spreads."""
+    fields = compared(per(t, examples), per(one, one_examples), "efficiency")
+    fields["efficiency"] /= k
+    fields["efficiency_range"] = [v / k for v in fields["efficiency_range"]]
+    return fields
+
+
+def weak_scaling(devs, hidden=(256, 256), per_device=(256,), repeats=15) -> list[dict]:
+    """The same batch per device on 1..N devices, for each per-device batch of the sweep."""
+    rows = []
+    for b in per_device:
+        print(f"[weak] {b} per device, on 1 to {len(devs)} devices ...", flush=True)
+        rows += _weak_at(devs, hidden, b, repeats)
+    return rows
+
+
+def _weak_at(devs, hidden, b, repeats):
+    """Every variant on 1..N devices, all in the same interleaved rounds."""
+    x, y = synthetic_batch(b * len(devs))
+    variants = {}
+    for k in range(1, len(devs) + 1):
+        xk, yk = x[: b * k], y[: b * k]
+        for name, step in _variants(devs[:k], hidden, xk, yk).items():
+            variants[name, k] = functools.partial(step, xk, yk)
+    times = timing.interleaved(variants, rounds=repeats)
+    return [
+        row("weak scaling", name, t, devices=k, per_device=b, examples_per_s=b * k / t.median)
+        | efficiency(t, times[name, 1], k, b * k, b)
+        for (name, k), t in times.items()
+    ]
+
+
+def _variants(devs, hidden, x, y) -> dict:
+    """Each data-parallel step over `devs` by name; each returns a loss from every device that trains."""
+    import tensorflow as tf
+
+    from .. import models, replicated, towers
+
+    with tf.device(devs[0]):
+        net = models.MLP(hidden=hidden)
+    replicas = []
+    for d in devs:
+        with tf.device(d):
+            replicas.append(models.MLP(hidden=hidden))
+    variants = {
+        "hand towers": towers.make_train_step(net, devs, LEARNING_RATE),
+        "ring, replicated": replicated.make_train_step(replicas, devs, learning_rate=LEARNING_RATE),
+    }
+    if device_model() != "cores":  # MirroredStrategy refuses devices of other processes
+        variants["MirroredStrategy"] = _mirrored_step(devs, hidden, x, y)
+    return variants
+
+
+def _mirrored_step(devs, hidden, x, y):
+    """MirroredStrategy's step on this batch, as a function of (x, y) like the others (it splits them itself)."""
+    import tensorflow as tf
+
+    from .. import models
+    from ..strategy import mirrored_strategy, mirrored_train_step
+
+    strategy = mirrored_strategy(devs)
+    with strategy.scope():
+        net, sgd = models.MLP(hidden=hidden), tf.keras.optimizers.SGD(LEARNING_RATE)
+    step = mirrored_train_step(strategy, net, sgd)
+    k = len(devs)
+    dist = strategy.experimental_distribute_values_from_function(
+        lambda ctx: (tf.split(x, k)[ctx.replica_id_in_sync_group], tf.split(y, k)[ctx.replica_id_in_sync_group])
+    )
+    return lambda _x, _y: step(*dist)
+
+
+def strong_scaling(devs, hidden=(256, 256), global_batch=512, repeats=15) -> list[dict]:
+    """The same global batch on 1..N devices (those that divide it): each device's share shrinks."""
+    import tensorflow as tf
+
+    from .. import models, towers
+
+    x, y = synthetic_batch(global_batch)
+    variants = {}
+    for k in (k for k in range(1, len(devs) + 1) if global_batch % k == 0):
+        with tf.device(devs[0]):
+            net = models.MLP(hidden=hidden)
+        variants[k] = functools.partial(towers.make_train_step(net, devs[:k], LEARNING_RATE), x, y)
+    times = timing.interleaved(variants, rounds=repeats)
+    return [
+        row("strong scaling", "hand towers", t, devices=k, global_batch=global_batch)
+        | efficiency(t, times[1], k, global_batch, global_batch)
+        for k, t in times.items()
+    ]
+
+
+def summary(rows) -> list[str]:
+    """One line per variant and device count of weak scaling, per strong-scaling row beyond one
+    device, and per `MultiWorkerMirroredStrategy` comparison."""
+    lines = []
+    groups = {}
+    for r in rows:
+        if r["case"] == "weak scaling" and r["devices"] > 1 and "efficiency" in r:
+            groups.setdefault((r["variant"], r["devices"]), []).append(r)
+    for (variant, k), mine in groups.items():
+        mine.sort(key=lambda r: r["per_device"])
+        figures = ", ".join(f"{r['efficiency']:.2f} at {r['per_device']}" for r in mine)
+        line = f"{variant}, {k} devices, weak-scaling efficiency per per-device batch: {figures}"
+        if len(mine) > 1:  # a trend needs two points at least
+            rising = all(a["efficiency"] < b["efficiency"] for a, b in itertools.pairwise(mine))
+            line += f"; rising with the batch: {'yes' if rising else 'no'}"
+        lines.append(line)
+    for r in rows:
+        if r["case"] == "strong scaling" and r["devices"] > 1:
+            lines.append(
+                f"strong scaling, global batch {r['global_batch']}: efficiency {r['efficiency']:.2f} on "
+                f"{r['devices']} devices; {r['devices']} devices against one: {r['efficiency_verdict']}"
+            )
+        elif r["variant"] == "MultiWorkerMirroredStrategy":
+            lines.append(
+                f"hand towers vs MultiWorkerMirroredStrategy at {r['per_device']} per device: "
+                f"{r['hand_towers_speedup']:.2f}x ({r['hand_towers_speedup_verdict']})"
+            )
+    return lines

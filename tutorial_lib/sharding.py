@@ -1,0 +1,232 @@
+"""Sharding: ZeRO stages 1-3 built from the ring's two halves (notebook 08's lessons, copied here).
+
+A two-layer MLP keeps each layer's weights and bias as one flat vector (as FSDP keeps a layer);
+`make_state` places on each device the whole vector or only its chunk, by ZeRO stage, as
+variables, so that `memory_per_device` reads what each device holds from where the variables
+live; `zero_step` trains one step and adds the bytes each device sends to `traffic`, counted by
+`allreduce.reduce_scatter` and `allreduce.all_gather`. `checked_stage` refuses bad input.
+"""
+
+from __future__ import annotations
+
+import math
+
+import tensorflow as tf
+
+from . import checks
+from . import devices as _devices
+from .allreduce import all_gather, reduce_scatter, ring_all_reduce
+
+
+# lesson: 08_sharding
+def shard_sizes(size, n):
+    """How the ring cuts `size` elements into n chunks: as equal as possible, the first ones one longer."""
+    return [size // n + (1 if c < size % n else 0) for c in range(n)]
+
+
+# lesson: 08_sharding
+def forward(flats, x, widths):
+    """The MLP: each layer's weights and bias kept as ONE flat vector (as FSDP keeps a layer), ReLU between."""
+    for k, flat in enumerate(flats):
+        fan_in, units = widths[k], widths[k + 1]
+        w, b = tf.split(flat, [fan_in * units, units])
+        x = x @ tf.reshape(w, [fan_in, units]) + b
+        x = tf.nn.relu(x) if k < len(flats) - 1 else x
+    return x
+
+
+# lesson: 08_sharding
+def adam_update(p, g, m, v, step, lr=1e-2, beta_1=0.9, beta_2=0.999, epsilon=1e-7):
+    """Keras's Adam on any slice of the parameters: every operation is elementwise."""
+    m = m + (g - m) * (1 - beta_1)
+    v = v + (tf.square(g) - v) * (1 - beta_2)
+    alpha = lr * math.sqrt(1 - beta_2**step) / (1 - beta_1**step)
+    return p - alpha * m / (tf.sqrt(v) + epsilon), m, v
+
+
+# lesson: 08_sharding
+SHARDED = {0: (), 1: ("m", "v"), 2: ("grads", "m", "v"), 3: ("params", "grads", "m", "v")}
+
+
+# lesson: 08_sharding
+def make_state(flats, devices, stage):
+    """What each device holds, as variables on it: per layer the whole vector, or, for what the
+    stage shards (SHARDED[stage]), only device i's chunk i."""
+    state = []
+    for i, d in enumerate(devices):
+        held = {"params": [], "grads": [], "m": [], "v": []}
+        for flat in flats:
+            chunk = tf.split(flat, shard_sizes(flat.shape[0], len(devices)))[i]
+            for kind in held:
+                piece = chunk if kind in SHARDED[stage] else flat
+                with tf.device(d):
+                    held[kind].append(tf.Variable(piece if kind == "params" else tf.zeros_like(piece)))
+        state.append(held)
+    return state
+
+
+# lesson: 08_sharding
+def memory_per_device(state, devices):
+    """Bytes of params, grads and Adam's m and v on each device, read from where each variable lives."""
+    table = {d: {"params": 0, "grads": 0, "optimizer": 0} for d in devices}
+    for held in state:
+        for kind, variables in held.items():
+            for v in variables:
+                key = "optimizer" if kind in ("m", "v") else kind
+                where = next(d for d in devices if v.device.endswith(d))  # '/job:localhost/.../device:CPU:1'
+                table[where][key] += v.shape.num_elements() * v.dtype.size
+    return table
+
+
+# lesson: 08_sharding
+def counted(collective, tensors, devices, traffic):
+    """Run one ring half and add the bytes each device sent to `traffic`."""
+    stats = {}
+    out = collective(tensors, devices, stats)
+    for i, sent in enumerate(stats["bytes_sent"]):
+        traffic[i] += sent
+    return out
+
+
+# lesson: 08_sharding
+def gather_weights(state, devices, traffic):
+    """Stage 3: every layer's whole weights on every device, all-gathered from the chunks."""
+    layers = [
+        counted(all_gather, [h["params"][k] for h in state], devices, traffic) for k in range(len(state[0]["params"]))
+    ]
+    return [list(per_device) for per_device in zip(*layers, strict=True)]
+
+
+# lesson: 08_sharding
+def local_loss(flats, x, y, widths):
+    return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, forward(flats, x, widths)))
+
+
+# lesson: 08_sharding
+def update_layer(state, devices, k, per_device, stage, step, traffic):
+    """Layer k's gradients (one per device) summed by the ring, then Adam: on the whole layer on
+    every device (stage 0), or on chunk i only on device i (stages 1-3)."""
+    n = len(devices)
+    if stage == 0:  # all-reduce = reduce-scatter + all-gather; every device updates everything
+        summed = counted(all_gather, counted(reduce_scatter, per_device, devices, traffic), devices, traffic)
+        for held, d, g in zip(state, devices, summed, strict=True):
+            with tf.device(d):
+                p, m, v = adam_update(held["params"][k], g, held["m"][k], held["v"][k], step)
+            held["grads"][k].assign(g), held["params"][k].assign(p), held["m"][k].assign(m), held["v"][k].assign(v)
+        return
+    shards = counted(reduce_scatter, per_device, devices, traffic)  # device i: chunk i of the sum
+    updated = []
+    for i, (held, d) in enumerate(zip(state, devices, strict=True)):
+        held["grads"][k].assign(per_device[i] if stage == 1 else shards[i])  # stage 1 holds it whole
+        mine = held["params"][k]
+        if stage < 3:
+            mine = tf.split(mine, shard_sizes(mine.shape[0], n))[i]
+        with tf.device(d):
+            p, m, v = adam_update(mine, shards[i], held["m"][k], held["v"][k], step)
+        held["m"][k].assign(m), held["v"][k].assign(v)
+        updated.append(p)
+    if stage < 3:  # stages 1-2: the updated chunks, gathered back into every device's whole weights
+        updated = counted(all_gather, updated, devices, traffic)
+    for held, p in zip(state, updated, strict=True):
+        held["params"][k].assign(p)
+
+
+# lesson: 08_sharding
+def zero_step(state, devices, x, y, widths, stage, step, traffic):
+    """One step of ZeRO stage 1, 2 or 3 (0: plain data parallelism) on the global batch x, y;
+    returns the mean loss. Each device sees 1/N of the batch."""
+    n = len(devices)
+    xs, ys = tf.split(x, n), tf.split(y, n)
+    if stage == 3:  # forward: gather the weights, use them, drop them (only the loss is kept)
+        weights = gather_weights(state, devices, traffic)
+        losses = [local_loss(w, a, b, widths) for w, a, b in zip(weights, xs, ys, strict=True)]
+        weights = gather_weights(state, devices, traffic)  # backward: gather again, recompute
+    else:
+        weights = [held["params"] for held in state]
+    grads, tape_losses = [], []
+    for d, w, a, b in zip(devices, weights, xs, ys, strict=True):
+        with tf.device(d), tf.GradientTape() as tape:
+            tape.watch(w)
+            loss = local_loss(w, a, b, widths)
+        grads.append([g / n for g in tape.gradient(loss, w)])  # the mean over devices, once summed
+        tape_losses.append(loss)
+    losses = losses if stage == 3 else tape_losses
+    for k in range(len(widths) - 1):
+        update_layer(state, devices, k, [g[k] for g in grads], stage, step, traffic)
+    return float(tf.add_n([tf.identity(v) for v in losses]) / n)
+
+
+# lesson: 08_sharding
+def placed(tensors, devices):
+    """tensors[i] on devices[i] (tf.custom_gradient returns its outputs on the default device)."""
+    out = []
+    for t, d in zip(tensors, devices, strict=True):
+        with tf.device(d):
+            out.append(tf.identity(t))
+    return out
+
+
+# lesson: 08_sharding
+def g_operator(parts, devices, traffic):
+    """Megatron's g: all-reduce in the forward (the sum of the devices' partial outputs), identity backward."""
+
+    @tf.custom_gradient
+    def g(*tensors):
+        return counted(ring_all_reduce, list(tensors), devices, traffic), lambda *upstream: list(upstream)
+
+    return placed(g(*parts), devices)
+
+
+# lesson: 08_sharding
+def f_operator(copies, devices, traffic):
+    """Megatron's f: identity in the forward, all-reduce of the input's gradient in the backward."""
+
+    @tf.custom_gradient
+    def f(*tensors):
+        return placed(tensors, devices), lambda *upstream: counted(ring_all_reduce, list(upstream), devices, traffic)
+
+    return placed(f(*copies), devices)
+
+
+# lesson: 08_sharding
+def megatron_mlp(x_copies, a_parts, b_parts, devices, traffic):
+    """Z = relu(X A) B with A split by columns and B by rows: device i computes relu(X A_i) B_i,
+    its part of Z, with no communication; g sums the parts, f all-reduces X's gradient."""
+    x_copies = f_operator(x_copies, devices, traffic)
+    parts = []
+    for x, a, b, d in zip(x_copies, a_parts, b_parts, devices, strict=True):
+        with tf.device(d):
+            parts.append(tf.nn.relu(x @ a) @ b)
+    return g_operator(parts, devices, traffic)
+
+
+def checked_stage(stage, devices, flats, state=None) -> int:
+    """The stage as an int, or a ValueError that names the fix: stages 0-3, two or more distinct
+    devices (as many as `state`, from make_state, holds), every layer at least as long as there are devices."""
+    if isinstance(stage, bool) or stage not in SHARDED:
+        raise ValueError(f"stage must be 0 (data parallelism), 1, 2 or 3, got {stage!r}.")
+    devices = checks.device_list(devices)
+    names = [_devices.normalize(d) for d in devices]
+    if len(set(names)) != len(names):
+        raise ValueError(f"devices must be distinct (each holds its own shard), got {names}.")
+    if stage and len(names) < 2:
+        raise ValueError("sharding over one device shards nothing: pass two or more devices, or use stage 0.")
+    if state is not None and len(state) != len(names):
+        raise ValueError(
+            f"the state was made for {len(state)} devices but {len(names)} were passed: "
+            "pass the devices given to make_state, in the same order."
+        )
+    for flat in flats:
+        if flat.shape[0] < len(names):
+            raise ValueError(f"a layer of {flat.shape[0]} numbers cannot give each of {len(names)} devices a chunk.")
+    return int(stage)
+
+
+def checked_split(width: int, n: int) -> int:
+    """The hidden width, if n devices can split it evenly (Megatron splits A's columns and B's rows)."""
+    width, n = checks.whole_number(width, "the hidden width"), checks.whole_number(n, "the number of devices")
+    if n < 2:
+        raise ValueError("tensor parallelism over one device splits nothing: pass two or more devices.")
+    if width % n:
+        raise ValueError(f"a hidden width of {width} does not split over {n} devices: use a multiple of {n}.")
+    return width
