@@ -12,7 +12,7 @@ STAMP := $(VENV)/.installed
 RUN_ENV := TUTORIAL_DEVICE=cpu TF_CPP_MIN_LOG_LEVEL=3 PYTHONHASHSEED=0
 NOTEBOOKS := $(sort $(wildcard notebooks/*.ipynb))
 
-.PHONY: install lab student-lab kernel test unit notebooks bench gpu-check student site clean check-python
+.PHONY: install lab student-lab kernel test unit lessons notebooks bench gpu-check student site clean check-python
 
 install: $(STAMP)
 
@@ -29,6 +29,8 @@ $(STAMP): pyproject.toml | check-python
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e ".[lab,test]"
+	mkdir -p $(VENV)/share/jupyter/lab/settings
+	cp tools/lab_overrides.json $(VENV)/share/jupyter/lab/settings/overrides.json
 	touch $(STAMP)
 
 # An existing .venv keeps the Python it was made with. When PYTHON is given (on the command
@@ -72,13 +74,19 @@ kernel: $(STAMP)
 	$(BIN)/python -m ipykernel install --user --name $(KERNEL_NAME) --display-name "$(KERNEL_DISPLAY)"
 
 test: $(STAMP)
-	$(BIN)/ruff check tutorial_lib tests notebooks tools conftest.py
-	$(BIN)/ruff format --check tutorial_lib tests notebooks tools conftest.py
+	$(BIN)/ruff check tutorial_lib examples tests notebooks tools conftest.py
+	$(BIN)/ruff format --check tutorial_lib examples tests notebooks tools conftest.py
 	$(BIN)/python -m pytest tests $(NOTEBOOKS) --nbval --nbval-current-env \
 		--nbval-sanitize-with tests/nbval_sanitize.cfg $(PYTEST_ARGS)
 
+# The quick check after changing the package: the unit tests without those marked slow.
 unit: $(STAMP)
-	$(BIN)/python -m pytest tests $(PYTEST_ARGS)
+	$(BIN)/python -m pytest tests -m "not slow" $(PYTEST_ARGS)
+
+# Rewrite the package's and the examples' copies of the notebooks' lesson code from the notebooks
+# (tools/lessons.py; tests/test_lessons.py fails while a copy differs).
+lessons: $(STAMP)
+	$(BIN)/python tools/lessons.py --write
 
 # Re-run every notebook in place under the test settings, so stored outputs come from a real run,
 # then drop TensorFlow's start-up log lines and local paths from them (tools/clean_notebooks.py).

@@ -7,6 +7,12 @@
 - site/NN_name.html: each notebook with its stored outputs (nothing is executed),
   solution cells removed, every figure with alt text, and previous / home / next links.
 
+Before anything is written, every notebook must pass the check the hand-out shares
+(tools/notebook_format.py): each exercise has exactly one solution cell under it, and no
+solution text or output survives on the page; a notebook that breaks it, or cannot be read,
+is refused with its name and cell. The pages are written to a temporary folder beside the
+target and then moved into it, so the front page never links to a page that was not written.
+
 The pages load nothing from the network (no require.js, MathJax or Mermaid: the notebooks
 use none), so the site works offline and from file://. Links that have no page in the
 site (the package's source) are kept as text.
@@ -14,14 +20,21 @@ site (the package's source) are kept as text.
 
 import argparse
 import html
+import json
+import os
 import re
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import nbformat
 from nbconvert import HTMLExporter
 from nbconvert.filters.markdown_mistune import markdown2html_mistune
-from nbconvert.preprocessors import Preprocessor, TagRemovePreprocessor
+from nbconvert.preprocessors import Preprocessor
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from notebook_format import NotebookError, check_exercises, check_no_leaks, read_notebook, tags  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TEMPLATE_DIR = Path(__file__).resolve().parent / "site_template"  # extends nbconvert's lab template
@@ -102,7 +115,6 @@ def relink(page: str, existing: set[str], prefix: str = "") -> str:
 
 def _exporter() -> HTMLExporter:
     exporter = HTMLExporter(template_name=TEMPLATE_DIR.name, extra_template_basedirs=[str(TEMPLATE_DIR.parent)])
-    exporter.register_preprocessor(TagRemovePreprocessor(remove_cell_tags={"solution"}, enabled=True), enabled=True)
     exporter.register_preprocessor(FigureAltText(enabled=True), enabled=True)
     return exporter
 
@@ -120,24 +132,44 @@ def _front_page(readme: str, pages: list[tuple[str, str]], existing: set[str]) -
     )
 
 
-def build(source: Path, target: Path, readme: Path = ROOT / "README.md") -> list[Path]:
-    """Write the site; return the paths of the pages written, the front page first."""
+def public_notebook(path: Path):
+    """The notebook at `path` as the site shows it: solution cells (of any type) removed, after the
+    shared checks; a NotebookError names the notebook and the cell."""
+    original = read_notebook(path)
+    check_exercises(original, path.name)
+    public = {**original, "cells": [c for c in original["cells"] if "solution" not in tags(c)]}
+    check_no_leaks(original, public, path.name)
+    return nbformat.reads(json.dumps(public), as_version=4)  # as nbformat.read: sources joined
+
+
+def _pages(source: Path):
     paths = sorted(source.glob("*.ipynb"))
     if not paths:
-        raise SystemExit(f"build_site: no notebooks in {str(source)!r}")
-    notebooks = [nbformat.read(p, as_version=4) for p in paths]
-    pages = [(p.stem + ".html", notebook_title(nb)) for p, nb in zip(paths, notebooks, strict=True)]
+        raise NotebookError(f"no notebooks in {str(source)!r}")
+    notebooks = [public_notebook(p) for p in paths]  # all checked before anything is written
+    return [(p.stem + ".html", notebook_title(nb)) for p, nb in zip(paths, notebooks, strict=True)], notebooks
+
+
+def build(source: Path, target: Path, readme: Path = ROOT / "README.md") -> list[Path]:
+    """Write the site; return the paths of the pages written, the front page first."""
+    pages, notebooks = _pages(source)
     existing = {"index.html"} | {name for name, _ in pages}
-    target.mkdir(parents=True, exist_ok=True)
     exporter = _exporter()
-    written = [target / "index.html"]
-    written[0].write_text(_front_page(readme.read_text(), pages, existing))
+    texts = {"index.html": _front_page(readme.read_text(), pages, existing)}
     for i, nb in enumerate(notebooks):
         resources = {"metadata": {"name": pages[i][1]}, "course_nav": navigation(pages, i)}
         body, _ = exporter.from_notebook_node(nb, resources=resources)
-        written.append(target / pages[i][0])
-        written[-1].write_text(relink(body, existing))
-    return written
+        texts[pages[i][0]] = relink(body, existing)
+    target.mkdir(parents=True, exist_ok=True)
+    building = Path(tempfile.mkdtemp(dir=target, prefix=".building-"))
+    try:
+        for name, text in texts.items():
+            (building / name).write_text(text)
+        for name in [*texts][1:] + ["index.html"]:  # the front page last: it links to the others
+            os.replace(building / name, target / name)
+    finally:
+        shutil.rmtree(building, ignore_errors=True)
+    return [target / name for name in texts]
 
 
 def main(argv=None) -> int:
@@ -145,7 +177,10 @@ def main(argv=None) -> int:
     parser.add_argument("source", type=Path, help="folder of the notebooks (notebooks)")
     parser.add_argument("target", type=Path, help="folder to write the site to (site)")
     args = parser.parse_args(argv)
-    written = build(args.source, args.target)
+    try:
+        written = build(args.source, args.target)
+    except NotebookError as err:
+        sys.exit(f"build_site: {err}")
     print(f"wrote {len(written)} pages to {args.target}/; open {args.target / 'index.html'}")
     return 0
 

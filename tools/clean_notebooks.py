@@ -10,16 +10,27 @@
   is committed.
 - Names the kernel the way ipykernel installs it, so JupyterLab does not rewrite the file
   when it is opened.
+- Hides every exercise solution: a cell tagged `solution` gets `jupyter.source_hidden`
+  (JupyterLab shows it collapsed), loses its stored outputs (they would give the answer
+  away) and is tagged `nbval-ignore-output`, so nbval still runs it and its assertions still
+  count. Its execution count stays, so the notebook still reads as run top to bottom.
 
-Only outputs that nbval does not compare (stderr streams, tracebacks) are edited, so a
-cleaned notebook validates exactly as before. Cleaning twice changes nothing.
+Apart from solutions, only outputs that nbval does not compare (stderr streams, tracebacks) are
+edited, so a cleaned notebook validates exactly as before. Cleaning twice changes nothing. A
+notebook that cannot be read is named with what is wrong; each file is written to a temporary
+file beside it and then moved into place, so an interrupted run leaves no half-written notebook.
 """
 
 import argparse
 import json
+import os
 import re
 import sys
+import tempfile
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from notebook_format import NotebookError, read_notebook  # noqa: E402  (tools/ is not a package)
 
 ROOT = Path(__file__).resolve().parents[1]
 KERNELSPEC = {"display_name": "Python 3 (ipykernel)", "language": "python", "name": "python3"}
@@ -90,12 +101,28 @@ def clean_outputs(outputs: list, root: str) -> list:
     return cleaned
 
 
+def hide_solution(cell: dict) -> dict:
+    """A solution cell collapsed in JupyterLab, without stored outputs, still run (not compared) by nbval."""
+    metadata = dict(cell.get("metadata", {}))
+    metadata["jupyter"] = {**metadata.get("jupyter", {}), "source_hidden": True}
+    tags = list(metadata.get("tags", []))
+    if cell["cell_type"] == "code" and "nbval-ignore-output" not in tags:
+        tags.append("nbval-ignore-output")
+    metadata["tags"] = tags
+    cell = {**cell, "metadata": metadata}
+    if cell["cell_type"] == "code":
+        cell["outputs"] = []
+    return cell
+
+
 def clean(notebook: dict, root: str) -> dict:
     """A cleaned copy of `notebook` (the dict of an .ipynb file)."""
     cells = []
     for cell in notebook["cells"]:
         if cell["cell_type"] == "code":
-            cell = {**cell, "outputs": clean_outputs(cell["outputs"], root)}
+            cell = {**cell, "outputs": clean_outputs(cell.get("outputs", []), root)}
+        if "solution" in cell.get("metadata", {}).get("tags", []):
+            cell = hide_solution(cell)
         cells.append(cell)
     metadata = {**notebook["metadata"], "kernelspec": dict(KERNELSPEC)}
     return {**notebook, "cells": cells, "metadata": metadata}
@@ -104,6 +131,18 @@ def clean(notebook: dict, root: str) -> dict:
 def dumps(notebook: dict) -> str:
     """The notebook as nbformat writes it, so that an unchanged notebook stays byte-identical."""
     return json.dumps(notebook, indent=1, ensure_ascii=False, sort_keys=True) + "\n"
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """Write `text` to a temporary file beside `path`, then move it into place."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def main(argv: list[str]) -> int:
@@ -115,10 +154,13 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     changed = 0
     for path in args.notebooks:
-        before = path.read_text()
-        after = dumps(clean(json.loads(before), args.root))
-        if after != before:
-            path.write_text(after)
+        try:
+            notebook = read_notebook(path)
+        except NotebookError as err:
+            sys.exit(f"clean_notebooks: {err}")
+        after = dumps(clean(notebook, args.root))
+        if after != path.read_text():
+            write_atomically(path, after)
             changed += 1
     print(f"cleaned {changed} of {len(args.notebooks)} notebooks")
     return 0

@@ -2,25 +2,72 @@
 
     python tools/student_copies.py notebooks student      (or: make student)
 
-writes student/ and student.zip with the same content: the package, the set-up files and
-the README, and student/notebooks/ with the student copies. Students unpack it and run
+writes student/ and student.zip with the same content: the package, the examples, the set-up
+files, a README written for students, and student/notebooks/ with the student copies. Students unpack it and run
 `make lab`; a teacher serves student/notebooks on a shared server with `make student-lab`.
-Each solution cell becomes a numbered placeholder ("# Exercise 2: your solution here"),
-matched to the notebook's numbered list under "## Exercises". Left out: the tests (they
-run the solutions), tools/, and teacher/ (the questionnaire answers).
+Each solution cell (of any type) becomes a numbered placeholder ("# Exercise 2: your solution
+here"), after the check that the site shares (tools/notebook_format.py): every `### Exercise k`
+has exactly one solution cell under it, and no solution text or output survives in the copy.
+A notebook that breaks it is refused, named with its cell, before anything is written; the
+folder is written beside the target and then moved into place. Left out: the tests (they
+run the solutions), tools/, teacher/ (the questionnaire answers) and the teacher's README.
 """
 
 import argparse
 import json
-import re
+import os
 import shutil
 import sys
+import tempfile
 import zipfile
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from notebook_format import NotebookError, check_exercises, check_no_leaks, read_notebook, tags  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 # What students need besides the notebooks to run `make lab` on their own machine.
-COURSE_FILES = ["README.md", "LICENSE", "Makefile", "pyproject.toml", "environment.yml", "tutorial_lib"]
+COURSE_FILES = ["LICENSE", "Makefile", "pyproject.toml", "environment.yml", "tutorial_lib", "examples"]
+COURSE_FILES += ["tools/lab_overrides.json"]  # make install puts it where JupyterLab reads its defaults
+README = """\
+# Multi-device training with TensorFlow: your copy of the course
+
+Each notebook answers one question that someone asked about training on several devices,
+by measuring it on this machine. Work through them in order, `00` to the last.
+
+## Start
+
+- On your own machine: `make lab` (the first run installs the course's environment into
+  `.venv`, a few minutes), then open `notebooks/00_devices.ipynb` in the JupyterLab that opens.
+- On a shared JupyterHub or JupyterLab: run `make kernel` once in a terminal, then choose the
+  kernel it names in the notebook's kernel menu.
+
+## What is where
+
+- `notebooks/`: the course. Every notebook says at the top which sections are the core path
+  and which are deep dives (for later), and how long each takes.
+- `tutorial_lib/`: the plumbing the notebooks import (devices, timing, plots), and tested
+  copies of the code the notebooks teach.
+- `examples/`: the answers to take away, one file each, to copy into your own project.
+
+## Exercises
+
+Each exercise sits under a heading `### Exercise k · title`, with an empty cell
+`# Exercise k: your solution here` under it. Write your solution there and run it; where the
+exercise says what to check, check it with an `assert`.
+
+## Benchmark cells on a shared server
+
+The cells that time something use the machine's CPU cores as devices. On a shared server
+without a set of cores per student, everyone's devices land on the same cores and the times
+mean little: run those cells in turns, or on your own machine.
+
+## Help
+
+Ask your teacher. When a cell fails, read the message first: the course's errors say what is
+wrong and how to fix it. Restarting the kernel (Kernel, Restart) and running from the top
+fixes most state problems.
+"""
 MARKER = ".student-copy"  # marks a folder this tool wrote, so a rerun may replace it
 PLACEHOLDER = "# Exercise {number}: your solution here\n"
 
@@ -29,60 +76,52 @@ class HandoutError(ValueError):
     """A notebook or folder the hand-out cannot be made from, with what to change."""
 
 
-def exercise_count(notebook: dict) -> int:
-    """The number of items in the numbered list under the notebook's '## Exercises' heading."""
-    for cell in notebook["cells"]:
-        text = "".join(cell["source"])
-        if cell["cell_type"] == "markdown" and "## Exercises" in text:
-            section = re.split(r"^## ", text.split("## Exercises", 1)[1], flags=re.MULTILINE)[0]
-            return len(re.findall(r"^\d+\. ", section, flags=re.MULTILINE))
-    return 0
-
-
-def _is_solution(cell: dict) -> bool:
-    return cell["cell_type"] == "code" and "solution" in cell.get("metadata", {}).get("tags", [])
+def _placeholder(cell: dict, number: int) -> dict:
+    """An empty code cell for exercise `number`, shown (the course hides its solutions)."""
+    metadata = {k: v for k, v in cell.get("metadata", {}).items() if k not in ("jupyter", "tags")}
+    metadata["tags"] = [t for t in tags(cell) if t != "solution"]
+    return {"cell_type": "code", "metadata": metadata, "source": [PLACEHOLDER.format(number=number)]}
 
 
 def student_copy(notebook: dict, name: str = "notebook") -> dict:
     """The notebook with solution cells replaced by numbered placeholders and all outputs cleared."""
-    solutions = sum(_is_solution(c) for c in notebook["cells"])
-    exercises = exercise_count(notebook)
-    if solutions != exercises:
-        raise HandoutError(
-            f"{name}: {solutions} cells tagged 'solution' but {exercises} numbered exercises under "
-            "'## Exercises'; give each exercise exactly one solution cell, in order, so placeholders "
-            "can be numbered by exercise"
-        )
+    try:
+        check_exercises(notebook, name)
+    except NotebookError as err:
+        raise HandoutError(str(err)) from None
     cells, number = [], 0
     for cell in notebook["cells"]:
         cell = dict(cell)
-        if _is_solution(cell):
+        if "solution" in tags(cell):
             number += 1
-            cell["source"] = [PLACEHOLDER.format(number=number)]
-            # The course notebook hides its solutions' source; an empty placeholder must show.
-            cell["metadata"] = {k: v for k, v in cell["metadata"].items() if k != "jupyter"}
+            cell = _placeholder(cell, number)
         if cell["cell_type"] == "code":
             cell["outputs"], cell["execution_count"] = [], None
         cells.append(cell)
-    return {**notebook, "cells": cells}
+    copy = {**notebook, "cells": cells}
+    try:
+        check_no_leaks(notebook, copy, name)
+    except NotebookError as err:
+        raise HandoutError(str(err)) from None
+    return copy
 
 
-def _prepare(target: Path) -> None:
-    """Empty `target` if this tool wrote it; refuse any other existing folder."""
-    if target.exists():
-        if not (target / MARKER).exists():
-            raise HandoutError(f"{target} exists and was not written by this tool; choose another folder")
-        shutil.rmtree(target)
-    (target / "notebooks").mkdir(parents=True)
-    (target / MARKER).write_text("written by tools/student_copies.py; replaced on every run\n")
+def _refuse_foreign(target: Path) -> None:
+    """Refuse an existing `target` this tool did not write."""
+    if target.exists() and not (target / MARKER).exists():
+        raise HandoutError(f"{target} exists and was not written by this tool; choose another folder")
 
 
 def _copy_course(target: Path) -> None:
+    (target / "notebooks").mkdir(parents=True)
+    (target / MARKER).write_text("written by tools/student_copies.py; replaced on every run\n")
+    (target / "README.md").write_text(README)
     for name in COURSE_FILES:
         source = ROOT / name
         if source.is_dir():
             shutil.copytree(source, target / name, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
         else:
+            (target / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(source, target / name)
 
 
@@ -99,16 +138,26 @@ def write_handout(source: Path, target: Path, archive: Path) -> list[Path]:
     paths = sorted(source.glob("*.ipynb"))
     if not paths:
         raise HandoutError(f"no notebooks in {str(source)!r}")
-    copies = {p.name: student_copy(json.loads(p.read_text()), p.name) for p in paths}  # all checked first
-    _prepare(target)
-    _copy_course(target)
-    written = []
-    for name, copy in copies.items():
-        out = target / "notebooks" / name
-        out.write_text(json.dumps(copy, indent=1, sort_keys=True, ensure_ascii=False) + "\n")
-        written.append(out)
-    _archive(target, archive)
-    return written
+    try:
+        copies = {p.name: student_copy(read_notebook(p), p.name) for p in paths}  # all checked first
+    except NotebookError as err:
+        raise HandoutError(str(err)) from None
+    _refuse_foreign(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    building = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.")) / target.name
+    try:
+        _copy_course(building)
+        for name, copy in copies.items():
+            text = json.dumps(copy, indent=1, sort_keys=True, ensure_ascii=False) + "\n"
+            (building / "notebooks" / name).write_text(text)
+        _archive(building, building.parent / archive.name)
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(building, target)
+        shutil.move(building.parent / archive.name, archive)  # archive may be on another disk
+    finally:
+        shutil.rmtree(building.parent, ignore_errors=True)
+    return [target / "notebooks" / name for name in copies]
 
 
 def main(argv=None) -> int:
