@@ -108,6 +108,15 @@ def sweep_logs() -> None:
                 shutil.rmtree(folder, ignore_errors=True)
 
 
+def remove_log_dir(folder: Path) -> None:
+    """Remove a cluster's log folder, and `log_root()` with it once no other cluster's is left."""
+    shutil.rmtree(folder, ignore_errors=True)
+    try:
+        folder.parent.rmdir()  # fails while another cluster's folder is in it: then it stays
+    except OSError:
+        pass
+
+
 def new_log_dir() -> Path:
     """A fresh log folder under `log_root()`, after removing those whose process has died."""
     sweep_logs()
@@ -131,7 +140,7 @@ class Cluster:
         self.env = {**os.environ, **(env or {})}
         if log_dir is None:  # ours: removed with this object (see the module's docstring)
             self.log_dir = new_log_dir()
-            weakref.finalize(self, shutil.rmtree, self.log_dir, ignore_errors=True)
+            weakref.finalize(self, remove_log_dir, self.log_dir)
         else:  # the caller's: kept
             self.log_dir = Path(log_dir)
             self.log_dir.mkdir(parents=True, exist_ok=True)
