@@ -3,6 +3,7 @@ import pytest
 import tensorflow as tf
 
 from tutorial_lib import allreduce, sync_bn
+from tutorial_lib.devices import normalize
 from tutorial_lib.strategy import mirrored_strategy
 
 
@@ -289,3 +290,9 @@ def test_sync_bn_refuses_the_wrong_number_of_features_and_non_float_input(devs):
         bn(tf.zeros((2, 3), tf.int32), training=True)
     with pytest.raises(ValueError, match="num_features must be a whole number"):
         sync_bn.SyncBatchNorm(0)
+
+
+def test_global_moments_leave_each_pair_on_the_device_of_its_input(devs):
+    xs = _spread(devs, [np.full((2, 3), i, np.float32) for i in range(len(devs))])
+    for x, (mean, variance) in zip(xs, sync_bn.global_moments(xs), strict=True):
+        assert normalize(mean.device) == normalize(variance.device) == normalize(x.device)

@@ -133,9 +133,11 @@ def global_moments(xs, axis: int = -1, devices=None, method: str = "ring"):
     _check_batches(xs, axis)
     places = _places(xs, devices)
     stats = _global_statistics(xs, places, axis, method)
-    return [
-        (tf.cast(mean, x.dtype), tf.cast(variance, x.dtype)) for x, (_, mean, variance) in zip(xs, stats, strict=True)
-    ]
+    out = []
+    for x, (_, mean, variance), device in zip(xs, stats, places, strict=True):
+        with tf.device(device):  # without a scope, eager ops run on the first device
+            out.append((tf.cast(mean, x.dtype), tf.cast(variance, x.dtype)))
+    return out
 
 
 class SyncBatchNorm(tf.Module):
