@@ -296,3 +296,32 @@ def test_global_moments_leave_each_pair_on_the_device_of_its_input(devs):
     xs = _spread(devs, [np.full((2, 3), i, np.float32) for i in range(len(devs))])
     for x, (mean, variance) in zip(xs, sync_bn.global_moments(xs), strict=True):
         assert normalize(mean.device) == normalize(variance.device) == normalize(x.device)
+
+
+@pytest.mark.parametrize("dtype", [tf.float16, tf.bfloat16])
+def test_global_moments_of_16_bit_input_are_float32_and_finite(devs, dtype):
+    # a spread of 300 gives a variance near 90,000: past float16's largest value, 65,504
+    whole = np.random.default_rng(9).normal(0.0, 300.0, (64, 3))
+    xs = [tf.cast(x, dtype) for x in _spread(devs, np.split(whole, len(devs)))]
+    exact = tf.concat([tf.cast(x, tf.float64) for x in xs], 0).numpy()  # what the rounded inputs hold
+    for mean, variance in sync_bn.global_moments(xs):
+        assert mean.dtype == variance.dtype == tf.float32
+        np.testing.assert_allclose(mean, exact.mean(0), rtol=1e-5, atol=1e-3)
+        np.testing.assert_allclose(variance, exact.var(0), rtol=1e-5)
+    mean, variance = sync_bn.global_moments(_spread(devs, np.split(whole.astype(np.float32), len(devs))))[0]
+    assert mean.dtype == variance.dtype == tf.float32  # float32 stays float32 (float64 stays float64, above)
+
+
+def test_sync_bn_moving_statistics_of_float16_input_stay_finite_and_right(devs):
+    whole = np.random.default_rng(10).normal(0.0, 300.0, (64, 3)).astype(np.float16)
+    exact = whole.astype(np.float64)
+    expected_mean, expected_variance = 0.1 * exact.mean(0), 0.9 + 0.1 * exact.var(0)
+    towers = sync_bn.SyncBatchNorm(3)
+    outs = towers.towers(_spread(devs, np.split(whole, len(devs))), devs, training=True)
+    single = sync_bn.SyncBatchNorm(3)
+    outs.append(single(tf.constant(whole), training=True))
+    for bn in (towers, single):
+        np.testing.assert_allclose(bn.moving_mean, expected_mean, rtol=1e-5, atol=1e-4)
+        np.testing.assert_allclose(bn.moving_variance, expected_variance, rtol=1e-5)
+    for out in outs:
+        assert out.dtype == tf.float16 and np.isfinite(out.numpy()).all()

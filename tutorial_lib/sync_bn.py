@@ -127,8 +127,9 @@ def global_moments(xs, axis: int = -1, devices=None, method: str = "ring"):
     """Mean and variance of the concatenation of `xs` (one tensor per device), on every device.
 
     One all-reduce (see the module docstring); returns one (mean, variance) pair per device,
-    in the dtype of that device's input. A device may hold an empty batch (it contributes
-    nothing); the global batch may not be empty.
+    on that device, in the dtype of its input, except float32 for float16 and bfloat16 input
+    (their variance overflows float16 from a spread of about 256). A device may hold an
+    empty batch (it contributes nothing); the global batch may not be empty.
     """
     _check_batches(xs, axis)
     places = _places(xs, devices)
@@ -136,8 +137,14 @@ def global_moments(xs, axis: int = -1, devices=None, method: str = "ring"):
     out = []
     for x, (_, mean, variance), device in zip(xs, stats, places, strict=True):
         with tf.device(device):  # without a scope, eager ops run on the first device
-            out.append((tf.cast(mean, x.dtype), tf.cast(variance, x.dtype)))
+            dtype = _result_dtype(x.dtype)
+            out.append((tf.cast(mean, dtype), tf.cast(variance, dtype)))
     return out
+
+
+def _result_dtype(dtype):
+    """float32 for 16-bit input: a variance of spread 300 (90,000) is past float16's largest value (65,504)."""
+    return dtype if dtype in (tf.float32, tf.float64) else tf.float32
 
 
 class SyncBatchNorm(tf.Module):
