@@ -325,3 +325,24 @@ def test_sync_bn_moving_statistics_of_float16_input_stay_finite_and_right(devs):
         np.testing.assert_allclose(bn.moving_variance, expected_variance, rtol=1e-5)
     for out in outs:
         assert out.dtype == tf.float16 and np.isfinite(out.numpy()).all()
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(momentum=1.5), r"momentum must be in \[0, 1\] \(Keras uses 0.99\), got 1.5"),
+        (dict(momentum=-0.1), r"momentum must be in \[0, 1\].*got -0.1"),
+        (dict(momentum=float("nan")), r"momentum must be in \[0, 1\].*got nan"),
+        (dict(epsilon=0.0), r"epsilon must be > 0 \(Keras uses 0.001\), got 0.0.*NaN"),
+        (dict(epsilon=-1e-3), r"epsilon must be > 0.*got -0.001"),
+        (dict(momentum="0.9"), r"momentum must be in \[0, 1\].*got '0.9'"),
+    ],
+)
+def test_sync_bn_refuses_a_momentum_outside_0_1_and_an_epsilon_not_above_0(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        sync_bn.SyncBatchNorm(3, **kwargs)
+
+
+def test_sync_bn_accepts_the_ends_of_the_momentum_range_and_a_tiny_epsilon():
+    for momentum in (0, 1.0, np.float32(0.99)):
+        assert sync_bn.SyncBatchNorm(3, momentum=momentum, epsilon=1e-12).momentum == momentum

@@ -26,6 +26,8 @@ the per-device (mean, inverse std, count) in the same way.
 
 from __future__ import annotations
 
+import numbers
+
 import tensorflow as tf
 
 from . import allreduce, checks
@@ -147,6 +149,24 @@ def _result_dtype(dtype):
     return dtype if dtype in (tf.float32, tf.float64) else tf.float32
 
 
+def _is_real(value) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _check_hyperparameters(momentum, epsilon) -> None:
+    """Refuse a momentum that makes the moving statistics diverge and an epsilon that allows NaN."""
+    if not _is_real(momentum) or not 0 <= momentum <= 1:  # `not 0 <= m <= 1` also catches NaN
+        raise ValueError(
+            f"momentum must be in [0, 1] (Keras uses 0.99), got {momentum!r}: it is the share of "
+            "the old moving statistics kept at each step."
+        )
+    if not _is_real(epsilon) or not epsilon > 0:
+        raise ValueError(
+            f"epsilon must be > 0 (Keras uses 0.001), got {epsilon!r}: with 0 a feature of zero "
+            "variance gives 0 / 0 = NaN."
+        )
+
+
 class SyncBatchNorm(tf.Module):
     """Batch norm over the global batch, for hand-built towers and for `MirroredStrategy`.
 
@@ -164,6 +184,7 @@ class SyncBatchNorm(tf.Module):
         self, num_features: int, momentum: float = 0.9, epsilon: float = 1e-3, synchronized: bool = True, name=None
     ):
         super().__init__(name=name)
+        _check_hyperparameters(momentum, epsilon)
         self.momentum, self.epsilon, self.synchronized = momentum, epsilon, synchronized
         self.num_features = checks.whole_number(num_features, "num_features")
         with self.name_scope:
