@@ -346,3 +346,30 @@ def test_sync_bn_refuses_a_momentum_outside_0_1_and_an_epsilon_not_above_0(kwarg
 def test_sync_bn_accepts_the_ends_of_the_momentum_range_and_a_tiny_epsilon():
     for momentum in (0, 1.0, np.float32(0.99)):
         assert sync_bn.SyncBatchNorm(3, momentum=momentum, epsilon=1e-12).momentum == momentum
+
+
+def _poisoned(devs, bad):
+    """One batch per device, `bad` (NaN or Inf) in the second device's."""
+    arrays = [np.full((2, 3), float(i), np.float32) for i in range(len(devs))]
+    arrays[1][0, 1] = bad
+    return _spread(devs, arrays)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+@pytest.mark.parametrize("synchronized", [True, False])
+def test_a_non_finite_batch_is_refused_and_leaves_the_moving_statistics_unchanged(devs, bad, synchronized):
+    bn = sync_bn.SyncBatchNorm(3, synchronized=synchronized, name="bn7")
+    bn.towers(_spread(devs, [np.full((2, 3), float(i), np.float32) for i in range(len(devs))]), devs, True)
+    before = bn.moving_mean.numpy(), bn.moving_variance.numpy()
+    xs = _poisoned(devs, bad)
+    message = r"SyncBatchNorm bn7: the batch statistics are not finite.*left unchanged.*learning rate"
+    calls = [
+        lambda: bn.towers(xs, devs, training=True),
+        lambda: bn(tf.concat(xs, 0), training=True),
+        tf.function(lambda: bn.towers(xs, devs, training=True)),
+    ]
+    for call in calls:
+        with pytest.raises(tf.errors.InvalidArgumentError, match=message):
+            call()
+        np.testing.assert_array_equal(bn.moving_mean, before[0])
+        np.testing.assert_array_equal(bn.moving_variance, before[1])

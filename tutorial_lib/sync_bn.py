@@ -218,6 +218,16 @@ class SyncBatchNorm(tf.Module):
         return tf.cast(y, x.dtype)
 
     def _update_moving(self, count, mean, variance) -> None:
+        # A NaN or Inf in one device's batch would stay in the moving statistics for good. Both are
+        # checked before either assign, and the assigns read the checked tensor: in a graph too,
+        # neither runs once the check fails.
+        checked = tf.debugging.check_numerics(
+            tf.stack([mean, variance]),
+            f"SyncBatchNorm {self.name}: the batch statistics are not finite (a NaN or Inf in some "
+            "device's batch); the moving statistics were left unchanged. Check the inputs or lower "
+            "the learning rate.",
+        )
+        mean, variance = checked[0], checked[1]
         # A batch without examples carries no statistics: it leaves the moving ones as they are.
         for moving, batch in ((self.moving_mean, mean), (self.moving_variance, variance)):
             batch = tf.where(count > 0, tf.cast(batch, moving.dtype), moving)
