@@ -160,6 +160,42 @@ def test_nccl_on_logical_gpus_of_one_card_is_refused_before_any_nccl_op_is_built
         allreduce.all_reduce([tf.ones(2), tf.ones(2)], method="nccl", devices=gpus)
 
 
+def _recording(monkeypatch, method: str) -> list:
+    """Replace ALL_SUMS[method] with one that records its devices and returns the tensors as they are."""
+    calls = []
+
+    def record(tensors, devices):
+        calls.append(list(devices))
+        return list(tensors)
+
+    monkeypatch.setitem(allreduce.ALL_SUMS, method, record)
+    return calls
+
+
+def test_auto_method_is_the_ring_on_cpus(devs, monkeypatch):
+    assert allreduce.auto_method(devs) == "ring"
+    nccl = _recording(monkeypatch, "nccl")
+    results = allreduce.all_reduce(_on(devs[:3], [[1.0], [2.0], [3.0]]), method="auto")
+    np.testing.assert_allclose(np.concatenate(results), [6.0, 6.0, 6.0])
+    assert nccl == []
+
+
+def test_auto_method_is_nccl_on_gpus_that_nccl_can_run_on_and_the_ring_on_logical_gpus(monkeypatch):
+    from tutorial_lib import devices
+
+    gpus = [f"/device:GPU:{i}" for i in range(2)]
+    real = devices.plan(2, "auto", physical_gpus=2)
+    assert real.nccl_ok
+    monkeypatch.setattr(devices, "current", lambda: real)
+    assert allreduce.auto_method(gpus) == "nccl"
+    assert allreduce.auto_method([*gpus, "/device:CPU:0"]) == "ring"
+    nccl = _recording(monkeypatch, "nccl")
+    allreduce.all_reduce([tf.ones(2), tf.ones(2)], method="auto", devices=gpus)
+    assert nccl == [gpus]
+    monkeypatch.setattr(devices, "current", lambda: devices.plan(2, "auto", physical_gpus=1))  # one card
+    assert allreduce.auto_method(gpus) == "ring"
+
+
 def _nccl_ops(fn, *args) -> list:
     """The NcclAllReduce ops that tracing `fn` builds: (shared name, device, num_devices). Never run."""
     from tutorial_lib import devices

@@ -373,3 +373,34 @@ def test_a_non_finite_batch_is_refused_and_leaves_the_moving_statistics_unchange
             call()
         np.testing.assert_array_equal(bn.moving_mean, before[0])
         np.testing.assert_array_equal(bn.moving_variance, before[1])
+
+
+def _methods_used(monkeypatch) -> list:
+    """Wrap every all-reduce method so that the names of those that run are recorded."""
+    used = []
+    for name, fn in list(allreduce.ALL_SUMS.items()):
+
+        def record(tensors, devices, name=name, fn=fn):
+            used.append(name)
+            return fn(tensors, devices)
+
+        monkeypatch.setitem(allreduce.ALL_SUMS, name, record)
+    return used
+
+
+def test_sync_bn_towers_and_global_moments_take_a_method_and_choose_one_by_default(devs, monkeypatch):
+    used = _methods_used(monkeypatch)
+    xs = _spread(devs, [np.full((2, 3), float(i), np.float32) for i in range(len(devs))])
+    bn = sync_bn.SyncBatchNorm(3)
+    bn.towers(xs, devs, training=True)
+    sync_bn.global_moments(xs)
+    assert used == ["ring", "ring"]  # "auto" on CPUs
+    bn.towers(xs, devs, training=True, method="central")
+    assert used[2:] == ["central"]
+    # where auto_method says NCCL (every device a GPU that NCCL can run on), towers uses it
+    monkeypatch.setattr(allreduce, "auto_method", lambda _: "central")  # central stands in: no GPU here
+    bn.towers(xs, devs, training=True)
+    sync_bn.global_moments(xs)
+    assert used[3:] == ["central", "central"]
+    with pytest.raises(ValueError, match=r"method must be one of \('central', 'ring', 'nccl', 'auto'\), got 'tree'"):
+        sync_bn.SyncBatchNorm(3, synchronized=False).towers(xs, devs, training=True, method="tree")

@@ -177,25 +177,45 @@ def _checked_devices(tensors, devices) -> list[str]:
     return [_devices.normalize(d) for d in devices]
 
 
+def _nccl_problem(devices) -> str | None:
+    """Why NCCL cannot run on `devices` (a sentence that says what to use instead), or None if it can."""
+    cpus = [d for d in devices if "GPU" not in _devices.normalize(d)]
+    if cpus:
+        return f"NCCL runs on GPUs only, but tensors are on {cpus}. Use method='ring' or 'central'."
+    layout = _devices.current()
+    if layout is not None and not layout.nccl_ok:
+        return f"NCCL cannot run on these devices: {layout.reason}. Use method='ring' on logical GPUs."
+    return None
+
+
 def check_nccl(devices) -> None:
     """Refuse NCCL before any NCCL op is built where it cannot run: on CPUs, or on logical GPUs of
     one card (several ranks on one GPU stop with "Duplicate GPU detected" or hang)."""
-    cpus = [d for d in devices if "GPU" not in _devices.normalize(d)]
-    if cpus:
-        raise RuntimeError(f"NCCL runs on GPUs only, but tensors are on {cpus}. Use method='ring' or 'central'.")
-    layout = _devices.current()
-    if layout is not None and not layout.nccl_ok:
-        raise RuntimeError(f"NCCL cannot run on these devices: {layout.reason}. Use method='ring' on logical GPUs.")
+    problem = _nccl_problem(devices)
+    if problem:
+        raise RuntimeError(problem)
+
+
+def auto_method(devices) -> str:
+    """What method="auto" means: "nccl" where every device is a GPU that NCCL can run on
+    (`check_nccl` would pass), else "ring", which runs on any device."""
+    return "ring" if _nccl_problem(devices) else "nccl"
+
+
+METHODS = (*ALL_SUMS, "auto")
 
 
 def all_reduce(tensors, method: str = "ring", average: bool = False, devices=None):
-    """One tensor per device in, the sum (or mean) of all of them on every device out, by `method`."""
+    """One tensor per device in, the sum (or mean) of all of them on every device out, by `method`
+    (one of METHODS; "auto" picks one with `auto_method`)."""
     tensors = list(tensors)
     devices = _checked_devices(tensors, devices)
-    if method not in ALL_SUMS:
-        raise ValueError(f"method must be one of {tuple(ALL_SUMS)}, got {method!r}.")
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}.")
     if average and not tensors[0].dtype.is_floating:
         raise ValueError(f"average=True needs a floating dtype, got {tensors[0].dtype.name}; sum with average=False.")
+    if method == "auto":
+        method = auto_method(devices)
     if method == "nccl":
         check_nccl(devices)
     summed = ALL_SUMS[method](tensors, devices)

@@ -125,10 +125,11 @@ def _places(xs, devices) -> list[str]:
     return [normalize(d) for d in devices]
 
 
-def global_moments(xs, axis: int = -1, devices=None, method: str = "ring"):
+def global_moments(xs, axis: int = -1, devices=None, method: str = "auto"):
     """Mean and variance of the concatenation of `xs` (one tensor per device), on every device.
 
-    One all-reduce (see the module docstring); returns one (mean, variance) pair per device,
+    One all-reduce by `method` (see `allreduce.all_reduce`; "auto": NCCL where it can run, else
+    the ring) of the rows the module docstring describes; returns one (mean, variance) pair per device,
     on that device, in the dtype of its input, except float32 for float16 and bfloat16 input
     (their variance overflows float16 from a spread of about 256). A device may hold an
     empty batch (it contributes nothing); the global batch may not be empty.
@@ -233,8 +234,11 @@ class SyncBatchNorm(tf.Module):
             batch = tf.where(count > 0, tf.cast(batch, moving.dtype), moving)
             moving.assign(self.momentum * moving + (1 - self.momentum) * batch)
 
-    def towers(self, xs, devices, training: bool):
-        """Normalize a list of per-device tensors; training uses the batch statistics."""
+    def towers(self, xs, devices, training: bool, method: str = "auto"):
+        """Normalize a list of per-device tensors; training uses the batch statistics, all-reduced
+        by `method` (see `allreduce.all_reduce`; "auto": NCCL where it can run, else the ring)."""
+        if method not in allreduce.METHODS:  # refused even where it is not used, so a typo shows at once
+            raise ValueError(f"method must be one of {allreduce.METHODS}, got {method!r}.")
         devices = [normalize(d) for d in checks.device_list(devices)]
         checks.same_length("tensors", xs, "devices", devices)
         for x in xs:
@@ -243,7 +247,7 @@ class SyncBatchNorm(tf.Module):
             return self._per_device(xs, devices, [(self.moving_mean, self.moving_variance)] * len(xs))
         _check_batches(xs, -1)
         if self.synchronized:
-            stats = _global_statistics(xs, devices, -1, "ring")
+            stats = _global_statistics(xs, devices, -1, method)
         else:
             stats = []
             for x, device in zip(xs, devices, strict=True):
