@@ -31,10 +31,10 @@ def mirrored_train_step(strategy, model, optimizer):
     def step(dist_x, dist_y):
         def replica_step(x, y):
             context = tf.distribute.get_replica_context()
-            examples = context.all_reduce("SUM", tf.cast(tf.shape(y)[0], tf.float32))  # over every replica
             with tf.GradientTape() as tape:
                 logits = model(x, training=True)
                 per_example = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits)
+                examples = context.all_reduce("SUM", tf.cast(tf.shape(y)[0], per_example.dtype))  # every replica's
                 loss = tf.reduce_sum(per_example) / examples + sum(model.losses) / context.num_replicas_in_sync
             grads = tape.gradient(loss, model.trainable_variables)
             optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))

@@ -1,0 +1,147 @@
+"""examples/train_multi_gpu.py: the NCCL asker's take-away file."""
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "train_multi_gpu.py"
+_spec = importlib.util.spec_from_file_location("train_multi_gpu", EXAMPLE)
+example = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(example)
+
+# Both strategies checked against one device in ONE child process per device count.
+CHECK_BOTH = """
+import sys
+sys.path.insert(0, {folder!r})
+import train_multi_gpu as t
+argv = ["--check", "--steps", "6", "--batch", "{batch}", "--simulate", "{n}", "--strategy"]
+sys.exit(max(t.main([*argv, s]) for s in ("replicated", "mirrored")))
+"""
+
+
+def run(*args, timeout=600):
+    env = {"TF_CPP_MIN_LOG_LEVEL": "3", "PATH": "/usr/bin:/bin", "HOME": str(Path.home())}
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("n", [2, 3])
+def test_both_strategies_pass_check_on_simulated_devices(n):
+    done = run("-c", CHECK_BOTH.format(folder=str(EXAMPLE.parent), n=n, batch=8 * n))
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = [line for line in done.stdout.splitlines() if line.startswith("check:")]
+    assert len(lines) == 2 and all(f"on {n} devices" in line and "(ok)" in line for line in lines), done.stdout
+
+
+def _one_device_keras(start, device, batches):
+    """The same CNN, start and batches on one device, with Keras' own batch norm: the reference."""
+    with tf.device(device):
+        single, adam = example.make_cnn((8, 8, 1)), keras.optimizers.Adam(1e-2)
+    for v, first in zip(single.variables, start, strict=True):
+        v.assign(first)
+    for x, y in batches:
+        with tf.GradientTape() as tape:
+            logits = single(x, training=True)
+            loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits))
+        grads = tape.gradient(loss, single.trainable_variables)
+        adam.apply_gradients(zip(grads, single.trainable_variables, strict=True))
+    return single
+
+
+def test_sync_bn_replicas_equal_keras_on_one_device_moving_statistics_included(devs):
+    (x, y), _ = example.load_data("digits")
+    batches = example.batches(x, y, 16, seed=0)[:3]
+    replicas = example.make_replicas(lambda: example.make_cnn((8, 8, 1)), devs)
+    start = [v.numpy() for v in replicas[0].variables]
+    optimizers = example.replica_optimizers(replicas, devs, lambda: keras.optimizers.Adam(1e-2))
+    step = example.make_sync_bn_train_step(replicas, devs, optimizers)
+    for xb, yb in batches:
+        step(xb, yb)
+    single = _one_device_keras(start, devs[0], batches)
+    for replica in replicas:  # float32: the float64 check in the tests above is exact to 1e-13
+        for v, r in zip(replica.variables, single.variables, strict=True):
+            np.testing.assert_allclose(v.numpy(), r.numpy(), rtol=1e-3, atol=1e-4, err_msg=v.path)
+    bn = replicas[-1].layers[1]
+    assert isinstance(bn, keras.layers.BatchNormalization) and np.any(bn.moving_mean.numpy() != 0)
+    assert tf.DeviceSpec.from_string(bn.moving_mean.value.device).device_index == len(devs) - 1  # its own device
+
+
+def test_check_finds_averaged_instead_of_summed_gradients(devs, monkeypatch):
+    """With sync BN the replicas' gradients must be summed: averaging them takes 1/N of the step."""
+    (x, y), test = example.load_data("digits")
+    args = example.parse(["--check", "--steps", "3", "--batch", "16", "--simulate", "2"])
+    args.method, args.method_said = "ring", "ring"
+    assert example.check(args, devs[:2], ((x, y), test)) <= 1e-5
+    grads = example.allreduce_grads
+    averaged = lambda g, average, **kw: grads(g, average=not average, **kw)  # noqa: E731 (the step asks for a sum)
+    monkeypatch.setattr(example, "allreduce_grads", averaged)
+    assert example.check(args, devs[:2], ((x, y), test)) > 1e-3
+
+
+def test_check_finds_a_replica_that_normalizes_with_its_own_batch(devs, monkeypatch):
+    (x, y), test = example.load_data("digits")
+    args = example.parse(["--check", "--steps", "3", "--batch", "16", "--simulate", "2"])
+    args.method, args.method_said = "ring", "ring"
+    monkeypatch.setattr(example, "sync_batch_norm", _per_device_batch_norm)
+    assert example.check(args, devs[:2], ((x, y), test)) > 1e-3
+
+
+def _per_device_batch_norm(layers, devices, hs, _all_sum):
+    out = []
+    for layer, h, device in zip(layers, hs, devices, strict=True):
+        with tf.device(device):
+            out.append(layer(h, training=True))  # plain Keras BN: this device's statistics only
+    return out
+
+
+def test_all_reduce_is_the_ring_on_cpus_and_nccl_only_on_whole_gpus(monkeypatch):
+    assert example.all_reduce_method(["/device:CPU:0", "/device:CPU:1"])[0] == "ring"
+    monkeypatch.setattr(tf.config, "list_physical_devices", lambda _kind=None: ["gpu"] * 2)
+    monkeypatch.setattr(tf.config, "list_logical_devices", lambda _kind=None: ["gpu"] * 2)
+    assert example.all_reduce_method(["/GPU:0", "/GPU:1"])[0] == "nccl"
+    monkeypatch.setattr(tf.config, "list_logical_devices", lambda _kind=None: ["gpu"] * 4)  # carved from 2 cards
+    method, said = example.all_reduce_method(["/GPU:0", "/GPU:1"])
+    assert method == "ring" and "distinct GPUs" in said
+
+
+@pytest.mark.slow
+def test_a_default_run_trains_reports_accuracy_each_epoch_and_writes_json_and_scalars(tmp_path):
+    path, logs = tmp_path / "metrics.json", tmp_path / "logs"
+    done = run(str(EXAMPLE), "--epochs", "4", "--json", str(path), "--logdir", str(logs), "--profile")
+    assert done.returncode == 0, done.stderr
+    assert "simulated CPU devices" in done.stdout and "8x8 digits" in done.stdout and "a ring of copies" in done.stdout
+    assert done.stdout.count("test_accuracy") == 4, done.stdout  # every epoch
+    metrics = json.loads(path.read_text())
+    assert metrics["test_accuracy"] > 0.8 and metrics["train_accuracy"] > 0.8, metrics  # it learns
+    assert metrics["images_per_second"] > 0 and metrics["all_reduce"] == "ring" and len(metrics["devices"]) == 2
+    assert list(logs.glob("events.out.tfevents.*")), "no TensorBoard scalars in --logdir"
+    assert list(logs.rglob("*.xplane.pb")), "no profiler trace in --logdir"
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--simulate", "0"], "1 to 16 devices"),
+        (["--devices", "/GPU:0", "--simulate", "2"], "not both"),
+        (["--batch", "9"], "multiple of the 2 devices"),
+        (["--devices", "/GPU:0,/GPU:1,/GPU:2", "--batch", "64"], "e.g. 63"),
+        (["--steps", "0"], ">= 1"),
+        (["--lr", "-1"], "positive learning rate"),
+        (["--profile"], "give --logdir DIR too"),
+        (["--data", "/nowhere/mnist.npz"], "no such file"),
+        (["--json", "/nowhere/m.json"], "no such folder"),
+        (["--strategy", "parameter-server"], "invalid choice"),
+    ],
+)
+def test_bad_arguments_exit_2_with_the_fix(argv, message, capsys):
+    with pytest.raises(SystemExit) as stop:
+        example.parse(argv)
+    assert stop.value.code == 2 and message in capsys.readouterr().err
