@@ -396,23 +396,28 @@ def train(args, devices, data):
     writer = tf.summary.create_file_writer(args.logdir) if args.logdir else None
     print(f"{args.strategy}: {len(devices)} replicas of {args.batch // len(devices)} examples on {devices}; "
           f"all-reduce: {args.method_said}")  # fmt: skip
-    done, metrics = 0, {}
+    done, metrics, profiling = 0, {}, False
     for epoch in range(args.epochs):
         epoch_batches = batches(x_train, y_train, args.batch, seed=epoch)[: args.steps - done if args.steps else None]
-        progress, start = keras.utils.Progbar(len(epoch_batches), unit_name="step"), time.perf_counter()
+        progress, start, losses = keras.utils.Progbar(len(epoch_batches), unit_name="step"), time.perf_counter(), []
         print(f"epoch {epoch + 1}/{args.epochs}")
-        for k, (x, y) in enumerate(epoch_batches):
-            if args.profile and done + k == 2:  # after the first steps' tracing
+        for x, y in epoch_batches:
+            if args.profile and done + len(losses) == 2:  # steps 3 to 5: the first two also trace the step
                 tf.profiler.experimental.start(args.logdir)
-            progress.update(k + 1, [("loss", float(step(x, y)))])
-            if args.profile and done + k == 4:
+                profiling = True
+            elif profiling and done + len(losses) == 5:
                 tf.profiler.experimental.stop()
+                profiling = False
+            losses.append(float(step(x, y)))
+            progress.update(len(losses), [("loss", losses[-1])])
         seconds, done = time.perf_counter() - start, done + len(epoch_batches)
-        metrics = {"images_per_second": len(epoch_batches) * args.batch / seconds,
-                   "train_accuracy": accuracy(model, x_train[:2000], y_train[:2000]),
-                   "test_accuracy": accuracy(model, x_test, y_test)}  # fmt: skip
+        metrics = {"loss": np.mean(losses), "train_accuracy": accuracy(model, x_train[:2000], y_train[:2000]),
+                   "test_accuracy": accuracy(model, x_test, y_test),
+                   "images_per_second": len(epoch_batches) * args.batch / seconds}  # fmt: skip
         print(
-            "  ".join(f"{name} {value:,.0f}" if value > 2 else f"{name} {value:.3f}" for name, value in metrics.items())
+            "  ".join(
+                f"{name} {value:,.0f}" if "second" in name else f"{name} {value:.3f}" for name, value in metrics.items()
+            )
         )
         if writer:
             with writer.as_default(step=epoch):
@@ -420,6 +425,8 @@ def train(args, devices, data):
                     tf.summary.scalar(name, value)
         if args.steps and done >= args.steps:
             break
+    if profiling:  # fewer than 5 steps in all
+        tf.profiler.experimental.stop()
     return {**metrics, "steps": done}
 
 
@@ -481,8 +488,8 @@ def parse(argv):
     p.add_argument("--data", help="digits, or the path of an mnist.npz (default: the Keras cache's MNIST, else digits)")
     p.add_argument("--check", action="store_true", help="compare with one device in float64; exit 1 if they differ")
     p.add_argument("--json", metavar="PATH", help="write the final metrics to PATH")
-    p.add_argument("--logdir", help="TensorBoard scalars here (accuracy, images per second)")
-    p.add_argument("--profile", action="store_true", help="and a profiler trace of steps 3 and 4 in --logdir")
+    p.add_argument("--logdir", help="TensorBoard scalars here (loss, accuracy, images per second)")
+    p.add_argument("--profile", action="store_true", help="and a profiler trace of steps 3 to 5 in --logdir")
     a = p.parse_args(argv)
     n = len(a.devices.split(",")) if a.devices else a.simulate or 2
     problems = [
