@@ -71,7 +71,8 @@ def test_report_lists_every_check_and_the_verdict():
 
 
 @pytest.mark.parametrize(
-    "statuses, code", [(["pass", "skip"], 0), ([], 0), (["pass", "fail"], 1), (["error"], 1), (["timeout"], 1)]
+    "statuses, code",
+    [(["pass", "skip", "missing", "measured"], 0), ([], 0), (["pass", "fail"], 1), (["error"], 1), (["timeout"], 1)],
 )
 def test_exit_status(statuses, code):
     assert gpu_check.exit_status([Result("x", s, "") for s in statuses]) == code
@@ -191,9 +192,92 @@ def test_main_runs_every_planned_check_and_exits_1_on_a_failure(monkeypatch, cap
     monkeypatch.setattr(gpu_check, "gpu_names", lambda: [f"/physical_device:GPU:{i}: fake" for i in range(gpus)])
     monkeypatch.setattr(gpu_check, "run_in_child", fake_child)
     monkeypatch.setattr(gpu_check, "versions", lambda: INFO)
+    files = []
+    monkeypatch.setattr(gpu_check, "run_files", lambda g, t: files.append((g, t)) or [Result("a file", "missing", "")])
     assert gpu_check.main(["--timeout", "7"]) == code
+    assert files == [(gpus, 7.0)]  # the take-away files too, on every GPU
     n, checks, skipped = gpu_check.plan_checks(gpus)
     assert ran == [(c.name, n, "gpu", 7.0) for c in checks]
     out = capsys.readouterr().out
     assert all(c.name in out for c in checks) and all(r.name in out and "SKIP" in out for r in skipped)
     assert "Paste the report above into" in out
+
+
+# --- the take-away files, with fake files in their place --------------------------------
+
+FAKE = """
+import json, os, sys, time
+out = sys.argv[sys.argv.index("--json") + 1]
+mode = {mode!r}
+if mode == "sleep":
+    open(out + ".pid", "w").write(str(os.getpid()))
+    time.sleep(60)
+if mode == "bad-argument":
+    sys.exit("train: error: --devices: no such device")
+metrics = {{"step_ms": 12.5}} if "--handoff-wait" in sys.argv else {{"largest_relative_difference": {difference}}}
+json.dump(metrics, open(out, "w"))
+sys.exit({code})
+"""
+
+
+def _fake_examples(tmp_path, mode="ok", difference=1e-9, code=0):
+    folder = tmp_path / "examples"
+    folder.mkdir()
+    for name in ("train_multi_gpu.py", "train_pipelined.py"):
+        (folder / name).write_text(FAKE.format(mode=mode, difference=difference, code=code))
+    return folder
+
+
+def test_file_runs_check_every_gpu_and_the_pipeline_on_at_most_three():
+    runs = gpu_check.file_runs(4)
+    assert [r.file for r in runs] == ["train_multi_gpu.py"] * 2 + ["train_pipelined.py"] * 3
+    assert all("--check" in r.args and "/GPU:3" in r.args[r.args.index("--devices") + 1] for r in runs[:2])
+    assert all(r.args[r.args.index("--devices") + 1] == "/GPU:0,/GPU:1,/GPU:2" for r in runs[2:])
+    assert [r.args[-1] for r in runs[3:]] == ["on", "off"] and all(r.args[1] == "20" for r in runs)
+
+
+def test_files_are_skipped_below_two_gpus(tmp_path):
+    assert {r.status for r in gpu_check.run_files(1, 5, _fake_examples(tmp_path))} == {"skip"}
+
+
+@pytest.mark.parametrize(
+    "mode, difference, code, status, detail",
+    [
+        ("ok", 1e-9, 0, "pass", "largest relative difference 1.0e-09"),
+        ("ok", 0.3, 1, "fail", "largest relative difference 3.0e-01"),
+        ("bad-argument", 0, 1, "error", "exited with status 1: train: error: --devices: no such device"),
+    ],
+)
+def test_a_file_run_passes_fails_or_errs_as_its_exit_and_json_say(tmp_path, mode, difference, code, status, detail):
+    run = gpu_check.file_runs(2)[0]
+    (tmp_path / "out").mkdir()
+    result, _ = gpu_check.run_file(run, tmp_path / "out", 30, _fake_examples(tmp_path, mode, difference, code))
+    assert (result.status, result.detail) == (status, detail)
+
+
+def test_a_missing_file_is_missing_and_the_others_still_run(tmp_path):
+    examples = _fake_examples(tmp_path)
+    (examples / "train_multi_gpu.py").unlink()
+    results = gpu_check.run_files(2, 30, examples)
+    assert [r.status for r in results] == ["missing", "missing", "pass", "pass", "pass", "measured"]
+    assert "train_multi_gpu.py is not there" in results[0].detail
+    assert results[-1].detail.startswith("on 12.5 ms, off 12.5 ms")
+    assert gpu_check.exit_status(results) == 0
+
+
+def test_a_file_past_its_deadline_is_stopped_and_nothing_is_left(tmp_path):
+    import os
+
+    (tmp_path / "out").mkdir()
+    result, _ = gpu_check.run_file(gpu_check.file_runs(2)[0], tmp_path / "out", 3, _fake_examples(tmp_path, "sleep"))
+    assert result.status == "timeout" and "no result within 3 s" in result.detail
+    [pid_file] = (tmp_path / "out").glob("*.pid")
+    with pytest.raises(ProcessLookupError):
+        os.kill(int(pid_file.read_text()), 0)  # the child is gone, not left sleeping
+
+
+def test_the_handoff_verdict_is_the_ratio_of_the_two_step_times():
+    result = gpu_check.handoff_verdict({"step_ms": 30.0}, {"step_ms": 20.0})
+    assert result.status == "measured" and "off is faster by 1.50x" in result.detail
+    assert "on is faster by 2.00x" in gpu_check.handoff_verdict({"step_ms": 10.0}, {"step_ms": 20.0}).detail
+    assert gpu_check.handoff_verdict({}, {"step_ms": 20.0}).status == "skip"

@@ -5,8 +5,11 @@
 The course is built and tested on CPUs only. On a machine with 2 or more GPUs this runs, on
 all of them: NCCL all-reduce against the ring, one replicated training step with
 `allreduce_grads(method="nccl")` (and "ring") against the single-device reference, and one
-`MirroredStrategy` step per `cross_device_ops` choice against the same reference. With one
-GPU it runs what logical GPUs carved out of it allow and says what it cannot check (NCCL);
+`MirroredStrategy` step per `cross_device_ops` choice against the same reference. Then it runs
+the course's two take-away files as a reader would: `examples/train_multi_gpu.py --check` (both
+strategies) and `examples/train_pipelined.py --check`, 20 steps each, and the pipeline's training
+with the hand-off wait on and off, timed: the report decides that default on GPUs. With one GPU
+it runs what logical GPUs carved out of it allow and says what it cannot check (NCCL, the files);
 with none it says so and exits 0. It exits 1 when any check fails, errs or times out.
 
 Each check runs in a child process of its own (`processes.spawn`), because a process holds
@@ -22,7 +25,9 @@ import os
 import platform
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 
 from . import processes
 
@@ -32,6 +37,8 @@ TRAIN_TOLERANCE = 1e-5  # weights after one step against the single-device refer
 CROSS_DEVICE_OPS = ("NcclAllReduce", "HierarchicalCopyAllReduce", "ReductionToOneDevice", "default")
 WHERE_TO_PASTE = "a new issue in the course's repository, titled 'gpu-check: <your GPUs>'"
 _RESULT_TAG = "GPU_CHECK_RESULT "  # the line a child prints its result on
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+NOT_FAILURES = ("pass", "skip", "missing", "measured")
 
 
 @dataclass(frozen=True)
@@ -55,7 +62,7 @@ class Check:
 @dataclass(frozen=True)
 class Result:
     name: str
-    status: str  # "pass", "fail", "error", "timeout" or "skip"
+    status: str  # "pass", "fail", "error", "timeout", "skip", "missing" (a file) or "measured" (a timing)
     detail: str
 
 
@@ -221,6 +228,81 @@ def _parse_child(check: Check, returncode: int, out: str, err: str) -> Result:
     return Result(check.name, "error", f"the child exited with status {returncode} without a result: {last}")
 
 
+# --- the take-away files, run as a reader runs them ------------------------------------
+
+
+@dataclass(frozen=True)
+class FileRun:
+    name: str
+    file: str  # in examples/
+    args: tuple[str, ...]
+
+
+def file_runs(gpus: int) -> list[FileRun]:
+    """The take-away files' runs on `gpus` GPUs (the pipeline on at most 3), 20 steps each."""
+    every, stages = (",".join(f"/GPU:{i}" for i in range(k)) for k in (gpus, min(gpus, 3)))
+    multi, pipe = ("--steps", "20", "--devices", every, "--check"), ("--steps", "20", "--devices", stages)
+    runs = [FileRun("train_multi_gpu.py --check", "train_multi_gpu.py", multi)]
+    runs += [FileRun(f"{runs[0].name} --strategy mirrored", "train_multi_gpu.py", (*multi, "--strategy", "mirrored"))]
+    runs += [FileRun("train_pipelined.py --check", "train_pipelined.py", (*pipe, "--check"))]
+    for wait in ("on", "off"):  # timed; the last two runs, read by handoff_verdict
+        runs += [
+            FileRun(f"train_pipelined.py --handoff-wait {wait}", "train_pipelined.py", (*pipe, "--handoff-wait", wait))
+        ]
+    return runs
+
+
+def run_file(run: FileRun, folder: Path, timeout: float, examples: Path = EXAMPLES) -> tuple[Result, dict]:
+    """Run one take-away file in a child with `--json`; its result, and the metrics it wrote."""
+    path, out = examples / run.file, folder / f"{len(list(folder.iterdir()))}.json"
+    if not path.exists():
+        return Result(run.name, "missing", f"{path} is not there: this copy of the course lacks it"), {}
+    env = {k: v for k, v in os.environ.items() if k != "TUTORIAL_DEVICE"}
+    env["NVIDIA_TF32_OVERRIDE"] = "0"  # float32 checks: no TF32 in cuBLAS and cuDNN
+    child = processes.spawn([sys.executable, str(path), *run.args, "--json", str(out)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+    try:
+        _, err = child.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        processes.stop([child])
+        child.communicate()
+        return Result(run.name, "timeout", f"no result within {timeout:.0f} s; stopped"), {}
+    metrics = json.loads(out.read_text()) if out.exists() else {}
+    difference = metrics.get("largest_relative_difference")
+    if child.returncode in (0, 1) and (difference is not None or "step_ms" in metrics):
+        detail = f"largest relative difference {difference:.1e}" if difference is not None else ""
+        detail = detail or f"step {metrics['step_ms']:.1f} ms (one run of 20 steps)"
+        return Result(run.name, "pass" if child.returncode == 0 else "fail", detail), metrics
+    last = (err.decode(errors="replace").strip().splitlines() or ["no output"])[-1]
+    return Result(run.name, "error", f"exited with status {child.returncode}: {last}"), metrics
+
+
+def handoff_verdict(on: dict, off: dict) -> Result:
+    """The hand-off wait's cost on these GPUs, from the two timed pipeline runs."""
+    name = "pipeline hand-off wait, on vs off"
+    if "step_ms" not in on or "step_ms" not in off:
+        return Result(name, "skip", "one of the two timed runs gave no step time")
+    ratio = on["step_ms"] / off["step_ms"]
+    faster = "off" if ratio > 1 else "on"
+    return Result(name, "measured", f"on {on['step_ms']:.1f} ms, off {off['step_ms']:.1f} ms: {faster} is "
+                  f"faster by {max(ratio, 1 / ratio):.2f}x (medians of one run each)")  # fmt: skip
+
+
+def run_files(gpus: int, timeout: float, examples: Path = EXAMPLES) -> list[Result]:
+    """Every take-away run on `gpus` GPUs, then the hand-off verdict; skipped below 2 GPUs."""
+    runs = file_runs(gpus)
+    if gpus < 2:
+        return [Result(r.name, "skip", "needs 2 or more GPUs") for r in runs]
+    results, metrics = [], []
+    with tempfile.TemporaryDirectory(prefix="gpu_check_") as folder:
+        for run in runs:
+            print(f"running: {run.name} ...", file=sys.stderr, flush=True)
+            result, written = run_file(run, Path(folder), timeout, examples)
+            results.append(result)
+            metrics.append(written)
+    return [*results, handoff_verdict(metrics[-2], metrics[-1])]
+
+
 # --- the report ------------------------------------------------------------------------
 
 
@@ -269,15 +351,15 @@ def report(info: dict[str, str], gpus: list[str], n: int, results: list[Result])
         lines += ["", f"checks on {how}, float32 (TF32 off), each in a child process with a deadline:"]
         width = max(len(r.name) for r in results)
         lines += [f"{r.status.upper():8s} {r.name:{width}s}  {r.detail}" for r in results]
-        failed = [r for r in results if r.status not in ("pass", "skip")]
+        failed = [r for r in results if r.status not in NOT_FAILURES]
         lines += ["", f"verdict: {'FAILED ' + str(len(failed)) if failed else 'all passed'} of {len(results)} checks"]
     lines += ["```"]
     return "\n".join(lines)
 
 
 def exit_status(results: list[Result]) -> int:
-    """1 when any check failed, erred or timed out; 0 otherwise (skipped checks are not failures)."""
-    return 1 if any(r.status not in ("pass", "skip") for r in results) else 0
+    """1 when any check failed, erred or timed out; 0 otherwise (skipped, missing, measured: not failures)."""
+    return 1 if any(r.status not in NOT_FAILURES for r in results) else 0
 
 
 def main(argv=None) -> int:
@@ -292,7 +374,7 @@ def main(argv=None) -> int:
     for check in checks:
         print(f"running: {check.name} ...", file=sys.stderr, flush=True)
         results.append(run_in_child(check, n, "gpu", args.timeout))
-    results += skipped
+    results += skipped + (run_files(len(gpus), args.timeout) if gpus else [])
     print(report(versions(), gpus, n, results))
     if gpus:
         print(f"\nPaste the report above into {WHERE_TO_PASTE}.")
