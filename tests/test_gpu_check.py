@@ -281,3 +281,10 @@ def test_the_handoff_verdict_is_the_ratio_of_the_two_step_times():
     assert result.status == "measured" and "off is faster by 1.50x" in result.detail
     assert "on is faster by 2.00x" in gpu_check.handoff_verdict({"step_ms": 10.0}, {"step_ms": 20.0}).detail
     assert gpu_check.handoff_verdict({}, {"step_ms": 20.0}).status == "skip"
+
+
+@pytest.mark.parametrize("timeout", ["-5", "0", "nan"])
+def test_a_timeout_that_is_not_positive_is_refused(timeout, capsys):
+    with pytest.raises(SystemExit) as stop:
+        gpu_check.main(["--timeout", timeout])
+    assert stop.value.code == 2 and "give the seconds a check may take, > 0" in capsys.readouterr().err

@@ -12,9 +12,8 @@ with the hand-off wait on and off, timed: the report decides that default on GPU
 it runs what logical GPUs carved out of it allow and says what it cannot check (NCCL, the files);
 with none it says so and exits 0. It exits 1 when any check fails, errs or times out.
 
-Each check runs in a child process of its own (`processes.spawn`), because a process holds
-one device layout and because NCCL can hang: a child that outlives `--timeout` seconds is
-stopped and its check reported as timed out.
+Each check runs in a child process (one device layout per process; NCCL can hang): a child that
+outlives `--timeout` seconds is stopped and reported as timed out.
 """
 
 from __future__ import annotations
@@ -363,7 +362,12 @@ def exit_status(results: list[Result]) -> int:
 
 
 def main(argv=None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if not args.timeout > 0:
+        parser.error(
+            f"--timeout {args.timeout}: give the seconds a check may take, > 0 (default {CHECK_TIMEOUT_S:.0f})"
+        )
     if args.child:
         what, how, tolerance = args.child
         _child(Check(what, how, float(tolerance)), args.devices, args.kind)
