@@ -73,15 +73,21 @@ KERNEL_DISPLAY ?= Python (tf-multi-device course)
 kernel: $(STAMP)
 	$(BIN)/python -m ipykernel install --user --name $(KERNEL_NAME) --display-name "$(KERNEL_DISPLAY)"
 
+# Two pytest-xdist workers (TEST_WORKERS=1 for one process): most tests wait on the TensorFlow
+# processes and kernels they start. --dist loadfile keeps each file in one worker, in order:
+# nbval runs a notebook's cells one after another in one kernel.
+TEST_WORKERS ?= 2
+PARALLEL = $(if $(filter-out 1,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile)
+
 test: $(STAMP)
 	$(BIN)/ruff check tutorial_lib examples tests notebooks tools conftest.py
 	$(BIN)/ruff format --check tutorial_lib examples tests notebooks tools conftest.py
 	$(BIN)/python -m pytest tests $(NOTEBOOKS) --nbval --nbval-current-env \
-		--nbval-sanitize-with tests/nbval_sanitize.cfg $(PYTEST_ARGS)
+		--nbval-sanitize-with tests/nbval_sanitize.cfg $(PARALLEL) $(PYTEST_ARGS)
 
 # The quick check after changing the package: the unit tests without those marked slow.
 unit: $(STAMP)
-	$(BIN)/python -m pytest tests -m "not slow" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest tests -m "not slow" $(PARALLEL) $(PYTEST_ARGS)
 
 # Rewrite the package's and the examples' copies of the notebooks' lesson code from the notebooks
 # (tools/lessons.py; tests/test_lessons.py fails while a copy differs).
