@@ -17,8 +17,11 @@ os.environ["PYTHONHASHSEED"] = "0"
 # handlers, which is when TensorFlow's autograph removes the source file it writes for each
 # function it converts (nbval on notebook 00 alone left three of them in /tmp). This
 # process keeps the system's folder: tempfile has already chosen it (mkdtemp asks for it).
-_CHILDREN_TMP = tempfile.mkdtemp(prefix="course_tests_children_")
-os.environ["TMPDIR"] = _CHILDREN_TMP
+# A pytest-xdist worker inherits the controller's folder through TMPDIR and uses it as it is: a
+# folder nested in it would make Chromium's socket path too long (tests/test_site.py).
+_CHILDREN_TMP = None if "PYTEST_XDIST_WORKER" in os.environ else tempfile.mkdtemp(prefix="course_tests_children_")
+if _CHILDREN_TMP:
+    os.environ["TMPDIR"] = _CHILDREN_TMP
 
 
 def pytest_sessionfinish():
@@ -28,7 +31,8 @@ def pytest_sessionfinish():
     from tutorial_lib import cluster
 
     cluster.sweep_logs()
-    shutil.rmtree(_CHILDREN_TMP, ignore_errors=True)
+    if _CHILDREN_TMP:  # the controller's, once its workers are done
+        shutil.rmtree(_CHILDREN_TMP, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(items):
