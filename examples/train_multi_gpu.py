@@ -237,6 +237,9 @@ def sync_batch_norm(layers, devices, hs, all_sum):
     global batch: every device's local_moments row, in its own slot of a matrix of zeros, summed by ONE
     all-reduce (`all_sum`, e.g. ALL_SUMS["nccl"]), then merged on each device. Each replica's moving
     statistics move as Keras moves them, so the replicas keep equal ones."""
+    if layers[0].axis not in (-1, len(hs[0].shape) - 1) or layers[0].renorm:  # what local_moments assumes
+        raise ValueError(f"{layers[0].name}: sync_batch_norm normalizes the last axis, without renorm; "
+                         "build it as BatchNormalization(axis=-1, renorm=False).")  # fmt: skip
     n = len(hs)
     slots = []
     for i, (h, device) in enumerate(zip(hs, devices, strict=True)):
@@ -259,6 +262,9 @@ def sync_batch_norm(layers, devices, hs, all_sum):
 def replicated_forward(replicas, devices, xs, all_sum):
     """Each Sequential replica's training forward on its share xs[i], layer by layer: the replicas'
     BatchNormalization layers by sync_batch_norm, every other layer as Keras runs it."""
+    if not isinstance(replicas[0], keras.Sequential):  # a functional model's layers in order are not its graph
+        raise TypeError(f"replicated_forward walks a keras.Sequential model layer by layer, got a "
+                        f"{type(replicas[0]).__name__}: build the model as keras.Sequential([...]).")  # fmt: skip
     hs = list(xs)
     for layers in zip(*(replica.layers for replica in replicas), strict=True):
         if isinstance(layers[0], keras.layers.BatchNormalization):

@@ -145,3 +145,16 @@ def test_bad_arguments_exit_2_with_the_fix(argv, message, capsys):
     with pytest.raises(SystemExit) as stop:
         example.parse(argv)
     assert stop.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_a_functional_model_and_a_batch_norm_of_another_axis_are_refused(devs):
+    """Walking layers in order is the graph of a Sequential model only; local_moments reduces all but the last axis."""
+    inputs = keras.Input((8, 8, 1))
+    functional = keras.Model(inputs, keras.layers.Dense(10)(keras.layers.Flatten()(inputs)))
+    xs = [tf.zeros((2, 8, 8, 1))] * 2
+    with pytest.raises(TypeError, match=r"walks a keras.Sequential.*got a Functional"):
+        example.replicated_forward([functional, functional], devs[:2], xs, example.ALL_SUMS["ring"])
+    bn = keras.layers.BatchNormalization(axis=1)
+    bn.build((None, 8, 8, 1))
+    with pytest.raises(ValueError, match=r"normalizes the last axis.*BatchNormalization\(axis=-1"):
+        example.sync_batch_norm([bn, bn], devs[:2], xs, example.ALL_SUMS["ring"])
