@@ -5,7 +5,7 @@ and reports ratios with the range their spreads allow and a verdict: only ratios
 from one machine, or one minute, to the next. The devices are core devices by default.
 
 - `rows`: what a row holds, the one way back to a `Timing`, the table, the JSON file;
-- `scaling`: weak and strong scaling; `worker`: `MultiWorkerMirroredStrategy` on core devices;
+- `scaling`: weak and strong scaling;
 - `cases`: gradient packing, all-reduce methods with the alpha-beta fit, input, mixed precision;
 - `pipeline`: the pipeline against the naive split;
 - `__main__`: the command line.

@@ -8,24 +8,19 @@ import sys
 import time
 
 from .. import timing
-from . import cases, pipeline, rows, scaling, worker
+from . import cases, pipeline, rows, scaling
 
 # What one device costs in memory: a core device's server process, measured at about 830 MB
 # (8 of them peaked at 6.6 GB with the default sweep); the bench's own process about as much.
 DEVICE_BYTES = 830e6
 
 
-def _weak(devs, args):
-    hidden = (args.hidden, args.hidden)
-    found = scaling.weak_scaling(devs, hidden=hidden, per_device=args.per_device, repeats=args.repeats)
-    if rows.device_model() == "cores" and len(devs) > 1:
-        found += worker.peer_rows(found, devs, hidden, args.per_device, args.repeats)
-    return found
-
-
 # Each case as a function of (devices, options), and the reason it is skipped on one device.
 CASES = {
-    "weak": (_weak, None),
+    "weak": (
+        lambda d, a: scaling.weak_scaling(d, (a.hidden, a.hidden), a.per_device, repeats=a.repeats),
+        None,
+    ),
     "strong": (
         lambda d, a: scaling.strong_scaling(d, (a.hidden, a.hidden), a.batch * len(d), repeats=a.repeats),
         None,

@@ -2,8 +2,7 @@
 
 Variants: the hand towers (`towers.make_train_step`: one copy of the variables, averaged on
 the first device), the replicated step (`replicated.make_train_step`: a replica per device,
-ring all-reduce) and, on devices of this process, `MirroredStrategy`. TensorFlow's peer on
-core devices, `MultiWorkerMirroredStrategy`, runs in processes of its own (`bench.worker`).
+ring all-reduce) and, on devices of this process, `MirroredStrategy` (it refuses core devices).
 """
 
 from __future__ import annotations
@@ -116,8 +115,7 @@ def strong_scaling(devs, hidden=(256, 256), global_batch=512, repeats=15) -> lis
 
 
 def summary(rows) -> list[str]:
-    """One line per variant and device count of weak scaling, per strong-scaling row beyond one
-    device, and per `MultiWorkerMirroredStrategy` comparison."""
+    """One line per variant and device count of weak scaling, and per strong-scaling row beyond one device."""
     lines = []
     groups = {}
     for r in rows:
@@ -136,10 +134,5 @@ def summary(rows) -> list[str]:
             lines.append(
                 f"strong scaling, global batch {r['global_batch']}: efficiency {r['efficiency']:.2f} on "
                 f"{r['devices']} devices; {r['devices']} devices against one: {r['efficiency_verdict']}"
-            )
-        elif r["variant"] == "MultiWorkerMirroredStrategy":
-            lines.append(
-                f"hand towers vs MultiWorkerMirroredStrategy at {r['per_device']} per device: "
-                f"{r['hand_towers_speedup']:.2f}x ({r['hand_towers_speedup_verdict']})"
             )
     return lines
