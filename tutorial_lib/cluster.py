@@ -1,17 +1,9 @@
 """A local multi-worker cluster: N worker processes on loopback, configured by `TF_CONFIG`.
 
-`Cluster(script, n)` picks free ports, starts one process per worker with its own
-`TF_CONFIG`, writes each worker's output to a log file, waits with a timeout and stops
-every process it started: on success, on failure, on timeout, when the notebook cell is
-interrupted, and when the `with` block ends. The workers are started with
-`processes.spawn`, so they also die when the process that started them ends without
-stopping them (returns, SIGTERM, SIGHUP, even SIGKILL). Nothing is left running.
-
-Logs: unless you pass `log_dir`, each cluster writes its logs to a folder of its own under
-`<tempdir>/tutorial_lib_cluster_logs_<uid>/`, named after the process that owns it. The
-logs stay readable after `wait` and after the `with` block (`tail`, `log`), and the
-folder is removed when the `Cluster` object is garbage collected or the interpreter exits.
-Folders left by a process that was killed are removed by the next `Cluster` created.
+`Cluster(script, n)` starts one process per worker with its own `TF_CONFIG` and log file,
+waits with a timeout, and stops every process it started however the cell ends. Logs stay
+readable after the `with` block; their folder goes with the `Cluster` object, and folders
+left by a killed process go with the next `Cluster` created.
 """
 
 from __future__ import annotations

@@ -1,26 +1,10 @@
 """Core devices: one TensorFlow server process per device, each pinned to its own CPU core.
 
-Logical CPUs in one process share its thread pools, so one of them alone can keep every
-core busy and speed measurements mean little. A core device is a separate process (see
-`core_worker`) that can only run on its core, with its own memory: transfers between two
-of them cost real time, as between GPUs. This process joins them as a cluster client,
-under a job of its own ("localhost"), so that its own CPU is not one of the devices, and
-uses them with the same `tf.device` code as any other device.
-
-`devices.simulate(n, kind="cores")` is the entry point; `start` does the work:
-
-1. pick free loopback ports and start every worker at once (`processes.spawn`: they die
-   with this process, however it ends), each writing to a log file;
-2. wait until each prints its READY line, with a timeout; a worker that exits or hangs
-   stops them all and raises a `RuntimeError` carrying its log tail;
-3. connect with `tf.config.experimental_connect_to_cluster`, with gRPC's fail-fast on
-   (`GRPC_FAIL_FAST`, as TensorFlow's own fault tests set it) and ops sent as single calls
-   (`TF_ENABLE_EAGER_CLIENT_STREAMING_ENQUEUE=false`): an op for a worker that is gone
-   fails at once instead of waiting for it to come back;
-4. watch the workers: a process (`core_worker.watch`) kills one frozen (stopped, as by
-   SIGSTOP) for `FROZEN_LIMIT_S`, so that the op waiting on it fails instead of hanging,
-   and a thread reports by name each worker that exits.
-   `check_workers()` raises for a dead worker: `simulate` and `timeline` call it first.
+A core device (`core_worker`) has its own core and memory, so transfers cost real time, as
+between GPUs. `devices.simulate(n, kind="cores")` calls `start`: spawn the workers (they die
+with this process), wait for their READY lines, connect to them as a cluster client under a
+job of its own, and watch them: a frozen worker is killed and a dead one reported by name, so
+that no op waits on it forever.
 """
 
 from __future__ import annotations

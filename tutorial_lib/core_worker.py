@@ -1,18 +1,10 @@
 """One core device: a TensorFlow server process that runs on one CPU core only.
 
-`devices.simulate(n, kind="cores")` starts n of these (see `core_devices`), one per core,
-and connects the notebook to them. Each is a `tf.distribute.Server` (job "worker", task k)
-whose only device is `/job:worker/replica:0/task:k/device:CPU:0`.
-
-The process pins itself to its core *before* TensorFlow is imported: TensorFlow sizes its
-thread pools from the cores it may run on, and a pinned process cannot borrow another
-core however many threads it starts. It then prints one line starting with `READY` and
-serves until it is stopped. With `--profiler-port` it also serves TensorFlow's profiler,
-so that `timeline.trace` can ask it for the ops it ran.
-
-Run as a script by its file path, so that it does not depend on how the parent found the
+It pins itself to its core *before* importing TensorFlow (which sizes its thread pools from
+the cores it may use), prints a `READY` line and serves until stopped; with `--profiler-port`
+it also serves TensorFlow's profiler for `timeline.trace`. Run by file path, importing only
+the standard library at the top, so that it does not depend on how the parent found the
 package: ``python core_worker.py --task 0 --core 0 --cluster localhost:2222,localhost:2223``.
-Only the standard library is imported at the top, for the same reason.
 """
 
 from __future__ import annotations

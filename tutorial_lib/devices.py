@@ -1,22 +1,9 @@
 """Get N devices on any machine, and name them the one way TensorFlow always accepts.
 
-`simulate(n, kind)` makes the choice once per process; `current()` says what it chose.
-Three models of a device, each honest for a different purpose:
-
-- ``logical``: TensorFlow splits one physical device into n *logical* devices, before its
-  runtime starts. Without a GPU: n logical CPUs, intra-op threads 1 and inter-op threads
-  at least n. Right for correctness; wrong for speed, because they share this process's
-  thread pools, so one of them alone can keep every core busy. With fewer GPUs than n: n
-  logical GPUs spread over every GPU there is (`per_gpu`, e.g. 2 + 2 for 4 on two GPUs),
-  NCCL off: it refuses several ranks on one physical GPU ("Duplicate GPU detected").
-- ``cores`` (``kind="cores"``): n TensorFlow server processes, each pinned to its own CPU
-  core, used from here with the same `tf.device` code (see `core_devices`). Each device
-  has its own processor and memory, and a transfer costs real time: right for speed.
-- ``real``: n or more GPUs: the first n real GPUs.
-
-Set ``TUTORIAL_DEVICE=cpu`` to force CPU simulation whatever `kind` says, except
-``kind="cores"``, which is CPU simulation already (the tests set it, so that their outputs
-are the same on every machine).
+`simulate(n, kind)` chooses once per process (notebook 00 explains the models): n logical
+devices of this process (CPUs, or GPUs carved out of fewer real ones), n core devices (one
+pinned server process each, right for speed), or the first n real GPUs. `TUTORIAL_DEVICE=cpu`
+forces CPU simulation. `normalize` gives a device name its canonical form.
 """
 
 from __future__ import annotations

@@ -1,16 +1,10 @@
-"""The custom training loop of notebook 03, on several machines: `MultiWorkerMirroredStrategy`.
+"""Notebook 03's custom training loop under `MultiWorkerMirroredStrategy`, one copy per worker.
 
-Run one copy per worker, each with its own `TF_CONFIG` (`tutorial_lib.cluster` does that
-on one machine):
+    python -m tutorial_lib.multi_worker --steps 40 --out runs/demo   (each with its TF_CONFIG)
 
-    python -m tutorial_lib.multi_worker --steps 40 --out runs/demo
-
-Every worker reads its own shard of the digits, the gradients are all-reduced across the
-workers, and checkpoints are written the way the multi-worker guide asks: the chief into
-the real directory, the others into temporary ones that they delete. A restarted job
-resumes from the last checkpoint and skips the batches it had already consumed, so it
-continues exactly where the checkpoint was taken. `--crash-at` and `--crash-worker` make
-one worker die abruptly, for the fault drill.
+Each worker reads its shard of the digits; the chief checkpoints into the real directory, the
+others into temporary ones they delete; a restarted job resumes where its checkpoint was
+taken. `--crash-at` and `--crash-worker` make one worker die abruptly, for the fault drill.
 """
 
 from __future__ import annotations

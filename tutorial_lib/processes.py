@@ -1,19 +1,10 @@
 """Child processes that die with the process that started them, however it ends.
 
-A notebook kernel that starts worker processes (a local cluster, one process per core
-device) must not leave them running when it exits, is interrupted, restarted, or killed.
-Three layers, because no single one covers every ending:
-
-- On Linux, each child asks the kernel for a signal when its parent dies
-  (`prctl(PR_SET_PDEATHSIG, SIGKILL)`): this covers SIGKILL of the parent, which no
-  Python code can react to. (The signal fires when the *thread* that started the child
-  ends, so start children from a thread that lives as long as they should: the main one.)
-- `atexit`: a normal interpreter exit stops every child still running (all systems).
-- Elsewhere (macOS), SIGTERM and SIGHUP (a closed terminal, `kill`) stop the children
-  before they end this process as they would have.
-
-Each child starts in a session of its own, so that a Ctrl-C in the notebook does not reach
-it directly and `stop` can signal its whole process group.
+Three layers, since no single one covers every ending: on Linux each child asks for SIGKILL
+when its parent dies (`PR_SET_PDEATHSIG`, which covers a SIGKILL of the parent); `atexit`
+stops the children at a normal exit; elsewhere SIGTERM and SIGHUP stop them first. Each child
+runs in a session of its own, so a Ctrl-C in the notebook does not reach it and `stop` can
+signal its whole process group.
 """
 
 from __future__ import annotations
@@ -45,6 +36,8 @@ def _die_with(parent: int):
     prctl = ctypes.CDLL(None, use_errno=True).prctl
 
     def preexec() -> None:  # runs in the child, between fork and exec
+        # The signal fires when the *thread* that started the child ends: start children from
+        # a thread that lives as long as they should (the main one).
         prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
         if os.getppid() != parent:  # the parent died before prctl: nobody would tell us
             os._exit(1)

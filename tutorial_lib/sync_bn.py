@@ -1,27 +1,8 @@
-"""Synchronized batch norm: normalize with the statistics of the global batch.
+"""Synchronized batch norm: normalize with the mean and variance of the global batch.
 
-With N devices and a small per-device batch, each device's batch mean and variance are
-noisy estimates. Sync BN gives every device the mean and variance of the whole global
-batch, with one all-reduce per layer.
-
-What is all-reduced. Each device i describes its batch, per feature, by its count n_i, its
-mean m_i and its centred sum of squares M2_i = sum (x - m_i)^2, in float64 (an empty batch:
-all zeros). The exact way to merge them is the parallel-variance formula of Chan, Golub
-and LeVeque:
-
-    n = sum n_i,   mean = sum n_i m_i / n,   M2 = sum M2_i + sum n_i (m_i - mean)^2.
-
-Its last term needs the global mean, which no device knows before communicating. Summing
-(n_i, n_i m_i, M2_i + n_i m_i^2) in one all-reduce and subtracting n mean^2 afterwards is
-E[x^2] - E[x]^2 again: its relative error grows like 1e-16 (mean/std)^2, 1e-4 at a mean of
-1e4 and a spread of 1e-2, even in float64. A shift known to every device beforehand (the
-moving mean) helps only once the moving mean is close, not in the first steps. So each
-device writes its row (n_i, m_i, M2_i) into its own slot of an N x (2C+1) matrix of zeros
-and the matrix is all-reduced: adding zeros is exact, so this one all-reduce is an
-all-gather, every device receives every row bit for bit, and combines them with the formula
-above (relative error about 1e-16 mean/std). It moves N times more numbers than a sum of
-2C+1 would; next to the gradients they are still few, and PyTorch's SyncBatchNorm gathers
-the per-device (mean, inverse std, count) in the same way.
+Each device's (count, mean, centred sum of squares) row is gathered by one all-reduce and the
+rows are merged with Chan, Golub and LeVeque's parallel-variance formula (notebook 04 shows why
+a sum of (n, sum x, sum x^2) loses the variance).
 """
 
 from __future__ import annotations
@@ -69,7 +50,11 @@ def local_moments(x, axis: int = -1):
 
 
 def _in_slot(row, index, n: int):
-    """`row` as row `index` of an n-row matrix of zeros: summing n of these gathers the rows."""
+    """`row` as row `index` of an n-row matrix of zeros: summing n of these gathers the rows.
+
+    Adding zeros is exact, so every device receives every row bit for bit, as PyTorch's
+    SyncBatchNorm gathers (mean, inverse std, count): N times the numbers of a plain sum, still
+    few next to the gradients."""
     return tf.pad(row[None], [[index, n - 1 - index], [0, 0]])
 
 
@@ -129,7 +114,7 @@ def global_moments(xs, axis: int = -1, devices=None, method: str = "auto"):
     """Mean and variance of the concatenation of `xs` (one tensor per device), on every device.
 
     One all-reduce by `method` (see `allreduce.all_reduce`; "auto": NCCL where it can run, else
-    the ring) of the rows the module docstring describes; returns one (mean, variance) pair per device,
+    the ring) of the devices' `local_moments` rows; returns one (mean, variance) pair per device,
     on that device, in the dtype of its input, except float32 for float16 and bfloat16 input
     (their variance overflows float16 from a spread of about 256). A device may hold an
     empty batch (it contributes nothing); the global batch may not be empty.

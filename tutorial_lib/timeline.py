@@ -1,18 +1,9 @@
 """Measured timelines: which device ran which op, and when.
 
-`trace(fn, *args)` runs `fn` once to warm up, then again under TensorFlow's profiler,
-and returns one `Event` per op execution: the device the op ran on, its name and type, and
-its start and end in milliseconds. The profiler records *when* each op ran; the device
-comes from `placement`, the graphs TensorFlow executed (after soft placement), since a
-logical CPU has no timeline of its own; `requested_placement` lists what `tf.device` asked
-for. `busy_fraction`, `mean_busy_devices` and `plot` read the events.
-
-On core devices (`devices.simulate(n, kind="cores")`) the ops run in other processes;
-`worker_traces` captures them from every worker and puts them on one clock.
-
-Caveat worth teaching: an op is "busy" from its start to its end even while the OS has
-paused its thread, so on C cores more than C devices can look busy at once. Throughput,
-not the timeline, says how many really ran in parallel (notebook 00 measures both).
+`trace(fn, *args)` runs `fn` under TensorFlow's profiler and returns one `Event` per op
+execution (device, op, type, start and end in ms); the device comes from `placement`, the
+graphs TensorFlow executed. On core devices `worker_traces` captures every worker's ops on
+one clock. `busy_fraction`, `phase_time`, `mean_busy_devices` and `plot` read the events.
 """
 
 from __future__ import annotations
@@ -80,19 +71,12 @@ class Event:
 def placement(fn, *args, **kwargs) -> list[tuple[str, str, str]]:
     """(op name, op type, device) for every op TensorFlow ran for `fn`, on the device it ran on.
 
-    `tf.device` is a request: with soft placement (on by default) a request that cannot be met,
-    such as '/device:CPU:7' on four CPUs, runs elsewhere without a word. So this does not read
-    the requests (see `requested_placement`): it runs `fn` once, as a fresh `tf.function`, and
-    reads the graphs TensorFlow executed, after its placer and its graph optimizer (which may
-    fuse or rename ops: a MatMul on CPU can run as `_MklMatMul`), with the copies it adds between
-    devices (types in `COPY_TYPES`: skip them to count computation). The variables `fn` uses are
-    restored afterwards, so that a training step does not train; other state is not. The fresh
-    function keeps none of fn's `tf.function` options (such as `jit_compile`).
-
-    How: the eager context's graph collection, read back with its `export_run_metadata`, as
-    `tf.summary.trace_on(graph=True)` and `tf.summary.trace_export` do for TensorBoard's graph
-    view (the public route, which writes them to a summary file instead). The context is
-    `tensorflow.python.eager.context`, a private module: TensorFlow 2.21's.
+    Not the `tf.device` requests (`requested_placement`): soft placement moves a request it
+    cannot meet without a word. It runs `fn` once as a fresh `tf.function` (none of fn's own
+    options) and reads the executed graphs, with the copies TensorFlow adds between devices
+    (`COPY_TYPES`); the variables `fn` uses are restored afterwards. How: the eager context's
+    graph collection (`tensorflow.python.eager.context`, private), as `tf.summary.trace_on(graph=True)`
+    does for TensorBoard, the public route that writes them to a summary file instead.
     """
     core_devices.check_workers()  # TensorFlow would ask a dead worker for its graphs and wait
     fresh = tf.function(getattr(fn, "python_function", fn))  # placed when first run: now
@@ -135,17 +119,11 @@ def _graph_placement(graph) -> list[tuple[str, str, str]]:
 
 
 def trace(fn, *args, steps: int = 1, placement_of=None, **kwargs) -> list[Event]:
-    """Run `fn(*args, **kwargs)` `steps` times under the profiler; return its op events.
-
-    `fn` is wrapped in `tf.function` if it is not one, so that ops run as one graph with
-    the placement you gave them. The first call (tracing, first allocations) is not
-    recorded. A Python function that calls several `tf.function`s (a pipeline's ticks)
-    runs as it is when `placement_of` lists their concrete functions (or is a callable
-    that returns them after the warm-up); their graphs' requests then stand for where each op
-    ran (they were placed before `trace` could watch: check them with `placement`).
-
-    On core devices a second untraced call, timed, sizes the window in which the workers
-    capture; a traced run that outlasts it, or a worker that sends no trace, is an error.
+    """Run `fn(*args, **kwargs)` `steps` times under the profiler, after an untraced warm-up;
+    return its op events. `fn` runs as a `tf.function`, unless `placement_of` lists (or returns,
+    after the warm-up) the concrete functions it calls: their graphs' requests then stand for
+    where each op ran. On core devices a traced run that outlasts the capture window, or a
+    worker that sends no trace, is an error.
     """
     steps = checks.whole_number(steps, "steps")
     core_devices.check_workers()  # before the warm-up, which would fail less clearly
@@ -178,8 +156,8 @@ def trace(fn, *args, steps: int = 1, placement_of=None, **kwargs) -> list[Event]
 
 def profile(f, args, kwargs, steps: int, logdir: str) -> None:
     """Run `f` `steps` times under the profiler, which writes its trace into `logdir`."""
-    # Default options: the host tracer at level 2 (TensorFlow ops) and the device tracer.
-    # TensorFlow 2.21 ignores explicit ProfilerOptions and warns four times per trace.
+    # Default options: the host tracer at level 2 (TensorFlow ops) and the device tracer
+    # (explicit ProfilerOptions were ignored, with four warnings per trace).
     tf.profiler.experimental.start(logdir)
     try:
         for _ in range(steps):

@@ -1,14 +1,9 @@
 """Timelines on core devices: capture the ops every worker process ran, on one clock.
 
-On core devices (`devices.simulate(n, kind="cores")`) the ops run in other processes,
-which this process's profiler cannot see. Each worker serves TensorFlow's profiler
-(`tf.profiler.experimental.server.start`, see `core_worker`), and `trace_cores` asks all of
-them for a trace at once with `tf.profiler.experimental.client.trace`, running `fn` while
-they capture. Each worker's file holds the ops that worker ran, so its device is the
-worker's device; every file counts time from its own session start, which it records, so
-adding it puts all workers on one clock (they share this machine's clock). This process's
-own profiler runs meanwhile: ops with no `tf.device` scope run here, on no core device, and
-`trace_cores` warns when it finds any. `timeline.trace` calls it when core devices run.
+Each worker serves TensorFlow's profiler; `trace_cores` asks all of them for a trace at once
+while `fn` runs, and puts each file's ops on its worker's device and on one clock (each file
+records when its session started). Ops with no `tf.device` scope run in this process, on no
+core device, and `trace_cores` warns about them.
 """
 
 from __future__ import annotations
