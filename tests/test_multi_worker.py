@@ -70,12 +70,28 @@ def test_a_run_without_tf_config_writes_its_outputs_and_a_rerun_says_it_is_compl
     assert (tmp_path / "steps.jsonl").read_text() == log  # nothing trained twice
 
 
-@pytest.mark.slow
-def test_a_crash_worker_outside_the_job_is_refused_at_start(tmp_path):
-    result = run_script("--steps", 4, "--crash-at", 2, "--crash-worker", 1, "--out", tmp_path)
-    assert result.returncode != 0
-    assert "--crash-worker 1 is not a worker of this 1-worker job; give a worker index from 0 to 0" in result.stderr
-    assert not (tmp_path / "steps.jsonl").exists()
+@pytest.mark.parametrize(
+    "tf_config, message",
+    [
+        (None, "--crash-worker 1 is not a worker of this 1-worker job; give a worker index from 0 to 0"),
+        (
+            '{"cluster": {"worker": ["localhost:1", "localhost:2"]}, "task": {"type": "worker", "index": 0}}',
+            "--crash-worker 2 is not a worker of this 2-worker job; give a worker index from 0 to 1",
+        ),
+    ],
+)
+def test_a_crash_worker_outside_the_job_is_refused_before_anything_starts(
+    tmp_path, monkeypatch, capsys, tf_config, message
+):
+    if tf_config is None:
+        monkeypatch.delenv("TF_CONFIG", raising=False)
+    else:
+        monkeypatch.setenv("TF_CONFIG", tf_config)
+    crash_worker = "1" if tf_config is None else "2"
+    with pytest.raises(SystemExit) as stopped:
+        multi_worker.parse(["--crash-at", "2", "--crash-worker", crash_worker, "--out", str(tmp_path / "out")])
+    assert stopped.value.code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
 
 
 def test_options_are_checked(tmp_path, capsys):

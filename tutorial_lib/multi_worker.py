@@ -56,14 +56,6 @@ def checkpoint_dir(base: str, resolver) -> str:
     return base if is_chief(resolver) else os.path.join(base, f"tmp_worker{resolver.task_id}")
 
 
-def _check_crash_worker(args, workers: int) -> None:
-    if args.crash_at is not None and args.crash_worker >= workers:
-        raise SystemExit(
-            f"error: --crash-worker {args.crash_worker} is not a worker of this {workers}-worker job; "
-            f"give a worker index from 0 to {workers - 1}."
-        )
-
-
 def _crash_drill(strategy, me: int, crash_worker: int, k: int) -> None:
     """Once every worker has finished step k (and the chief has logged it), one worker dies."""
     import tensorflow as tf
@@ -92,7 +84,6 @@ def train(args) -> int:
     strategy = tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
     resolver = strategy.cluster_resolver  # without TF_CONFIG: a one-worker job, task None
     workers, me, chief = strategy.num_replicas_in_sync, resolver.task_id or 0, is_chief(resolver)
-    _check_crash_worker(args, workers)
 
     with strategy.scope():
         model = models.MLP(hidden=HIDDEN, seed=args.seed)
@@ -164,6 +155,12 @@ def tf_config_problem(text: str | None) -> str | None:
     return None
 
 
+def _workers(text: str | None) -> int:
+    """How many workers a valid `TF_CONFIG` describes (chief included); 1 without one."""
+    cluster = json.loads(text)["cluster"] if text else {}
+    return len(cluster.get("chief", [])) + len(cluster.get("worker", [])) or 1
+
+
 def parse(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=40)
@@ -191,6 +188,12 @@ def parse(argv=None):
     problem = tf_config_problem(os.environ.get("TF_CONFIG"))
     if problem:
         parser.error(problem)
+    workers = _workers(os.environ.get("TF_CONFIG"))
+    if args.crash_at is not None and args.crash_worker >= workers:
+        parser.error(
+            f"--crash-worker {args.crash_worker} is not a worker of this {workers}-worker job; "
+            f"give a worker index from 0 to {workers - 1}."
+        )
     os.makedirs(args.out, exist_ok=True)
     return args
 
