@@ -83,20 +83,20 @@ def test_plan_rejects_unknown_kind():
 
 def test_plan_without_gpu_simulates_cpus():
     layout = devices.plan(4, physical_gpus=0)
-    assert (layout.kind, layout.mode, layout.nccl_ok, layout.model) == ("CPU", "simulated", False, "logical")
+    assert (layout.device_type, layout.simulated, layout.nccl_ok, layout.model) == ("CPU", True, False, "logical")
     assert "logical devices in this process" in str(layout)
 
 
 def test_plan_splits_one_gpu_and_marks_nccl_unusable():
     layout = devices.plan(4, physical_gpus=1)
-    assert (layout.kind, layout.mode, layout.nccl_ok, layout.model) == ("GPU", "simulated", False, "logical")
+    assert (layout.device_type, layout.simulated, layout.nccl_ok, layout.model) == ("GPU", True, False, "logical")
     assert "Duplicate GPU" in layout.reason
 
 
 def test_plan_uses_real_gpus_when_there_are_enough():
     for gpus in (2, 8):
         layout = devices.plan(2, physical_gpus=gpus)
-        assert (layout.kind, layout.mode, layout.nccl_ok, layout.model) == ("GPU", "real", True, "real")
+        assert (layout.device_type, layout.simulated, layout.nccl_ok, layout.model) == ("GPU", False, True, "real")
         assert layout.per_gpu == ()
 
 
@@ -112,7 +112,7 @@ def test_plan_carves_one_gpu_into_n():
 def test_plan_spreads_over_every_gpu_when_there_are_too_few(n, gpus, per_gpu):
     """The asker's machine: 4 devices on 2 GPUs use both GPUs, not GPU 0 alone."""
     layout = devices.plan(n, physical_gpus=gpus)
-    assert (layout.kind, layout.mode, layout.nccl_ok, layout.model) == ("GPU", "simulated", False, "logical")
+    assert (layout.device_type, layout.simulated, layout.nccl_ok, layout.model) == ("GPU", True, False, "logical")
     assert layout.per_gpu == per_gpu and sum(layout.per_gpu) == n
     # what was chosen, why NCCL is off, and what to ask for instead
     assert f"spread over the {gpus} GPUs ({' + '.join(map(str, per_gpu))})" in layout.reason
@@ -157,7 +157,7 @@ def test_configure_makes_the_planned_logical_gpus(gpus, n):
     config = _FakeConfig(gpus)
     layout = devices.plan(n, physical_gpus=gpus)
     devices._configure(types.SimpleNamespace(config=config), layout)
-    if layout.mode == "real":
+    if not layout.simulated:
         assert config.visible == config.gpus[:n] and config.logical == {}
     else:
         assert config.visible == config.gpus  # every GPU is used
@@ -170,7 +170,7 @@ def test_environment_variable_forces_cpu_simulation():
     import os
 
     assert os.environ[devices.ENV_VAR] == "cpu"  # set by the root conftest.py
-    assert devices.current().kind == "CPU" and "asked for" in devices.current().reason
+    assert devices.current().device_type == "CPU" and "asked for" in devices.current().reason
     assert devices.current().model == "logical"
 
 

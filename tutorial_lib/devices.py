@@ -30,20 +30,24 @@ _current: Layout | None = None
 
 @dataclass(frozen=True)
 class Layout:
-    """What `simulate` chose: the device kind, how the devices are made, and whether NCCL can run."""
+    """What `simulate` chose: the device type, how the devices are made, and whether NCCL can run."""
 
-    kind: str  # "CPU" or "GPU"
+    device_type: str  # "CPU" or "GPU"
     n: int
-    mode: str  # "simulated" or "real"
     nccl_ok: bool
     reason: str
     model: str  # "logical", "cores" or "real": a key of MODELS
     names: tuple[str, ...] = ()
     per_gpu: tuple[int, ...] = ()  # logical GPUs made on each physical GPU (logical GPUs only)
 
+    @property
+    def simulated(self) -> bool:
+        return self.model != "real"
+
     def __str__(self) -> str:
         nccl = "NCCL usable" if self.nccl_ok else "no NCCL"
-        return f"{self.n} {self.mode} {self.kind} device(s) ({MODELS[self.model]}), {nccl}: {self.reason}"
+        made = "simulated" if self.simulated else "real"
+        return f"{self.n} {made} {self.device_type} device(s) ({MODELS[self.model]}), {nccl}: {self.reason}"
 
 
 def plan(n: int, kind: str = "auto", physical_gpus: int = 0) -> Layout:
@@ -55,7 +59,7 @@ def plan(n: int, kind: str = "auto", physical_gpus: int = 0) -> Layout:
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}.")
     if kind == "cores":
-        return Layout("CPU", n, "simulated", False, "core devices asked for; NCCL needs real GPUs", "cores")
+        return Layout("CPU", n, False, "core devices asked for; NCCL needs real GPUs", "cores")
     if kind == "gpu" and physical_gpus == 0:
         raise RuntimeError(
             "kind='gpu' was asked for but TensorFlow sees no GPU. Use kind='auto' or "
@@ -63,11 +67,11 @@ def plan(n: int, kind: str = "auto", physical_gpus: int = 0) -> Layout:
         )
     if kind == "cpu" or physical_gpus == 0:
         why = "CPU simulation asked for" if kind == "cpu" else "no GPU found"
-        return Layout("CPU", n, "simulated", False, f"{why}; NCCL needs real GPUs", "logical")
+        return Layout("CPU", n, False, f"{why}; NCCL needs real GPUs", "logical")
     if physical_gpus >= n:
-        return Layout("GPU", n, "real", True, f"{physical_gpus} GPUs found", "real")
+        return Layout("GPU", n, True, f"{physical_gpus} GPUs found", "real")
     per_gpu = tuple(split_over_gpus(n, physical_gpus))
-    return Layout("GPU", n, "simulated", False, _spread_reason(n, per_gpu), "logical", per_gpu=per_gpu)
+    return Layout("GPU", n, False, _spread_reason(n, per_gpu), "logical", per_gpu=per_gpu)
 
 
 def split_over_gpus(n: int, gpus: int) -> list[int]:
@@ -108,7 +112,7 @@ def simulate(n: int, kind: str = "auto") -> list[str]:
     # Core devices need no GPU count: their workers start before TensorFlow is imported here.
     layout = plan(n, kind) if kind == "cores" else plan(n, kind, _physical_gpus())
     if _current is not None:
-        if (_current.kind, _current.n, _current.model) == (layout.kind, layout.n, layout.model):
+        if (_current.device_type, _current.n, _current.model) == (layout.device_type, layout.n, layout.model):
             if layout.model == "cores":
                 core_devices.check_workers()  # the same devices only while every worker serves
             _announce(_current)
@@ -145,15 +149,15 @@ def _start_in_process(layout: Layout) -> list[str]:
     try:
         _configure(tf, layout)
     except RuntimeError as err:  # the runtime started before us
-        have = [d.name for d in tf.config.list_logical_devices(layout.kind)]
+        have = [d.name for d in tf.config.list_logical_devices(layout.device_type)]
         if len(have) != layout.n:
-            _refuse(layout, f"{len(have)} {layout.kind} device(s)", err)
-    return [d.name for d in tf.config.list_logical_devices(layout.kind)]
+            _refuse(layout, f"{len(have)} {layout.device_type} device(s)", err)
+    return [d.name for d in tf.config.list_logical_devices(layout.device_type)]
 
 
 def _configure(tf, layout: Layout) -> None:
     gpus = tf.config.list_physical_devices("GPU")
-    if layout.kind == "CPU":
+    if layout.device_type == "CPU":
         if gpus:  # forced CPU simulation: hide GPUs so nothing lands there by default
             tf.config.set_visible_devices([], "GPU")
         cpu = tf.config.list_physical_devices("CPU")[0]
@@ -164,7 +168,7 @@ def _configure(tf, layout: Layout) -> None:
         # CPU then acts as one single-core worker.
         tf.config.threading.set_intra_op_parallelism_threads(1)
         tf.config.threading.set_inter_op_parallelism_threads(max(layout.n, os.cpu_count() or 1))
-    elif layout.mode == "real":
+    elif layout.model == "real":
         tf.config.set_visible_devices(gpus[: layout.n], "GPU")
     else:  # n logical GPUs spread over all the physical ones (fewer than n), layout.per_gpu on each
         tf.config.set_visible_devices(gpus, "GPU")
@@ -188,14 +192,14 @@ def _devices(layout: Layout, started: bool = False) -> str:
     if layout.model == "cores":
         return f"{layout.n} core devices"
     logical = "logical " if started and layout.model == "logical" else ""
-    return f"{layout.n} {logical}{layout.kind} devices"
+    return f"{layout.n} {logical}{layout.device_type} devices"
 
 
 def _announce(layout: Layout) -> None:
     names = layout.names
     shown = ", ".join(names) if len(names) <= 4 else f"{names[0]} ... {names[-1]}"
     what = {"logical": "logical", "cores": "core", "real": "real"}[layout.model]
-    print(f"{layout.n} {what} {layout.kind} device(s) ({layout.reason}{_threads_note(layout)}): {shown}")
+    print(f"{layout.n} {what} {layout.device_type} device(s) ({layout.reason}{_threads_note(layout)}): {shown}")
 
 
 def _threads_note(layout: Layout) -> str:
@@ -203,7 +207,7 @@ def _threads_note(layout: Layout) -> str:
     if layout.model == "cores":
         cores = sorted({w.core for w in core_devices.workers})
         return f"; one server process per device, pinned to core(s) {cores}"
-    if layout.kind != "CPU":
+    if layout.device_type != "CPU":
         return ""
     import tensorflow as tf
 
