@@ -14,8 +14,8 @@ import math
 import tensorflow as tf
 
 from . import checks
-from . import devices as _devices
 from .allreduce import all_gather, reduce_scatter, ring_all_reduce
+from .devices import normalize
 
 
 # lesson: 08_sharding
@@ -206,7 +206,7 @@ def checked_stage(stage, devices, flats, state=None) -> int:
     if isinstance(stage, bool) or stage not in SHARDED:
         raise ValueError(f"stage must be 0 (data parallelism), 1, 2 or 3, got {stage!r}.")
     devices = checks.device_list(devices)
-    names = [_devices.normalize(d) for d in devices]
+    names = [normalize(d) for d in devices]
     if len(set(names)) != len(names):
         raise ValueError(f"devices must be distinct (each holds its own shard), got {names}.")
     if stage and len(names) < 2:
