@@ -58,31 +58,6 @@ def test_shard_sizes_are_the_rings_chunks():
     assert sum(sharding.shard_sizes(1040, 3)) == 1040
 
 
-@pytest.mark.parametrize(
-    "stage, n, message",
-    [
-        (4, 2, "stage must be 0"),
-        (True, 2, "stage must be 0"),
-        (1, 1, "two or more devices"),
-    ],
-)
-def test_bad_input_is_refused(devs, stage, n, message):
-    flats, _, _ = _problem()
-    with pytest.raises(ValueError, match=message):
-        sharding.checked_stage(stage, devs[:n], flats)
-
-
-def test_repeated_devices_and_tiny_layers_are_refused(devs):
-    flats, _, _ = _problem()
-    with pytest.raises(ValueError, match="distinct"):
-        sharding.checked_stage(1, [devs[0], "cpu:0"], flats)
-    with pytest.raises(ValueError, match="cannot give each of 4 devices"):
-        sharding.checked_stage(3, devs, [tf.zeros([3])])
-    with pytest.raises(ValueError, match="made for 2 devices but 3 were passed"):
-        sharding.checked_stage(1, devs[:3], flats, state=sharding.make_state(flats, devs[:2], 1))
-    assert sharding.checked_stage(0, devs[:1], flats) == 0
-
-
 def test_megatron_mlp_equals_one_device_forward_and_backward_with_one_all_reduce_each(devs):
     n, rng = 3, np.random.default_rng(1)
     x, a, b, dz = (tf.constant(rng.normal(size=s).astype(np.float32)) for s in ([4, 6], [6, 12], [12, 6], [4, 6]))
@@ -104,14 +79,6 @@ def test_megatron_mlp_equals_one_device_forward_and_backward_with_one_all_reduce
         np.testing.assert_allclose(grad.numpy(), dx.numpy(), atol=1e-5)
     np.testing.assert_allclose(tf.concat(ga, 1).numpy(), da.numpy(), atol=1e-5)
     np.testing.assert_allclose(tf.concat(gb, 0).numpy(), db.numpy(), atol=1e-5)
-
-
-def test_tensor_parallel_widths_that_do_not_split_are_refused():
-    assert sharding.checked_split(12, 3) == 12
-    with pytest.raises(ValueError, match="does not split over 5 devices: use a multiple of 5"):
-        sharding.checked_split(12, 5)
-    with pytest.raises(ValueError, match="two or more devices"):
-        sharding.checked_split(12, 1)
 
 
 def test_dtensor_runs_on_logical_cpus_and_shards_a_matmul_by_columns(devs):

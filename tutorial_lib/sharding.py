@@ -4,7 +4,7 @@ A two-layer MLP keeps each layer's weights and bias as one flat vector (as FSDP 
 `make_state` places on each device the whole vector or only its chunk, by ZeRO stage, as
 variables, so that `memory_per_device` reads what each device holds from where the variables
 live; `zero_step` trains one step and adds the bytes each device sends to `traffic`, counted by
-`allreduce.reduce_scatter` and `allreduce.all_gather`. `checked_stage` refuses bad input.
+`allreduce.reduce_scatter` and `allreduce.all_gather`.
 """
 
 from __future__ import annotations
@@ -13,9 +13,7 @@ import math
 
 import tensorflow as tf
 
-from . import checks
 from .allreduce import all_gather, reduce_scatter, ring_all_reduce
-from .devices import normalize
 
 
 # lesson: 08_sharding
@@ -198,35 +196,3 @@ def megatron_mlp(x_copies, a_parts, b_parts, devices, traffic):
         with tf.device(d):
             parts.append(tf.nn.relu(x @ a) @ b)
     return g_operator(parts, devices, traffic)
-
-
-def checked_stage(stage, devices, flats, state=None) -> int:
-    """The stage as an int, or a ValueError that names the fix: stages 0-3, two or more distinct
-    devices (as many as `state`, from make_state, holds), every layer at least as long as there are devices."""
-    if isinstance(stage, bool) or stage not in SHARDED:
-        raise ValueError(f"stage must be 0 (data parallelism), 1, 2 or 3, got {stage!r}.")
-    devices = checks.device_list(devices)
-    names = [normalize(d) for d in devices]
-    if len(set(names)) != len(names):
-        raise ValueError(f"devices must be distinct (each holds its own shard), got {names}.")
-    if stage and len(names) < 2:
-        raise ValueError("sharding over one device shards nothing: pass two or more devices, or use stage 0.")
-    if state is not None and len(state) != len(names):
-        raise ValueError(
-            f"the state was made for {len(state)} devices but {len(names)} were passed: "
-            "pass the devices given to make_state, in the same order."
-        )
-    for flat in flats:
-        if flat.shape[0] < len(names):
-            raise ValueError(f"a layer of {flat.shape[0]} numbers cannot give each of {len(names)} devices a chunk.")
-    return int(stage)
-
-
-def checked_split(width: int, n: int) -> int:
-    """The hidden width, if n devices can split it evenly (Megatron splits A's columns and B's rows)."""
-    width, n = checks.whole_number(width, "the hidden width"), checks.whole_number(n, "the number of devices")
-    if n < 2:
-        raise ValueError("tensor parallelism over one device splits nothing: pass two or more devices.")
-    if width % n:
-        raise ValueError(f"a hidden width of {width} does not split over {n} devices: use a multiple of {n}.")
-    return width
