@@ -357,8 +357,8 @@ def test_the_replicated_step_ends_with_the_single_device_reference(devs):
 @pytest.mark.slow
 def test_cli_on_core_devices_by_default(tmp_path):
     path = tmp_path / "cores.json"
-    command = [sys.executable, "-m", "tutorial_lib.bench", "--devices", "2", "--cases", "weak,packing,allreduce"]
-    command += ["--hidden", "16", "--per-device", "8,16", "--repeats", "3", "--json", str(path)]
+    command = [sys.executable, "-m", "tutorial_lib.bench", "--devices", "2", "--cases", "weak,allreduce"]
+    command += ["--hidden", "16", "--per-device", "8", "--repeats", "3", "--json", str(path)]
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(path.read_text())
@@ -369,7 +369,6 @@ def test_cli_on_core_devices_by_default(tmp_path):
     assert {r["samples"] for r in found if r["ms"] is not None} == {3}
     variants = {r["variant"] for r in found if r["case"] == "weak scaling"}
     assert variants == {"hand towers", "ring, replicated"}  # MirroredStrategy refuses core devices
-    packed = next(r for r in found if r["variant"] == "packed into one bucket")
-    assert packed["speedup_verdict"] in VERDICTS
+    assert all(r["efficiency_verdict"] in VERDICTS for r in found if r["case"] == "weak scaling")
     fits = [r for r in found if r["case"] == "all-reduce fit"]
     assert [r["variant"] for r in fits] == ["central (central model)", "ring (ring model)"]

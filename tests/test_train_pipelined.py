@@ -30,7 +30,7 @@ def run(*args, timeout=600):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("n", [3])  # the asker's three devices; notebook 05 checks two
 def test_every_schedule_passes_check_on_simulated_devices(n):
     done = run("-c", CHECK_ALL.format(folder=str(EXAMPLE.parent), n=n))
     assert done.returncode == 0, done.stdout + done.stderr
