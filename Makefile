@@ -105,9 +105,9 @@ notebooks: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python -m tutorial_lib.bench $(BENCH_ARGS)
 
-# On a machine with GPUs: check the course's GPU code (NCCL, MirroredStrategy) on them and print a
-# report to paste into an issue; exits 1 if a check fails. Not under RUN_ENV: TUTORIAL_DEVICE=cpu
-# would hide the GPUs. GPU_CHECK_ARGS="--timeout 600" gives each check longer.
+# On a machine with 2 or more GPUs: run the take-away files' --check (NCCL, MirroredStrategy) on
+# them and print a report to paste into an issue; exits 1 if a run fails. Not under RUN_ENV:
+# TUTORIAL_DEVICE=cpu would hide the GPUs. GPU_CHECK_ARGS="--timeout 600" gives each run longer.
 gpu-check: $(STAMP)
 	$(BIN)/python -m tutorial_lib.gpu_check $(GPU_CHECK_ARGS)
 

@@ -121,8 +121,12 @@ def test_file_runs_check_every_gpu_and_the_pipeline_on_at_most_three():
     assert [r.args[-1] for r in runs[3:]] == ["on", "off"] and all(r.args[1] == "20" for r in runs)
 
 
-def test_files_are_skipped_below_two_gpus(tmp_path):
-    assert {r.status for r in gpu_check.run_files(1, 5, _fake_examples(tmp_path))} == {"skip"}
+@pytest.mark.parametrize("gpus", [0, 1])
+def test_below_two_gpus_nothing_runs_and_the_skip_says_what_would_be_needed(tmp_path, gpus):
+    [result] = gpu_check.run_files(gpus, 5, _fake_examples(tmp_path, "sleep"))
+    assert result.status == "skip" and "need 2 or more GPUs" in result.detail and "logical GPUs" in result.detail
+    assert gpu_check.exit_status([result]) == 0
+    assert "verdict: nothing ran (see SKIP above)" in gpu_check.report(INFO, ["GPU:0"], [result])
 
 
 @pytest.mark.parametrize(
@@ -140,10 +144,15 @@ def test_a_file_run_passes_fails_or_errs_as_its_exit_and_json_say(tmp_path, mode
     assert (result.status, result.detail) == (status, detail)
 
 
-def test_a_missing_file_is_missing_and_the_others_still_run(tmp_path):
+def test_a_missing_file_is_missing_the_others_still_run_and_the_temporary_folder_goes(tmp_path, monkeypatch):
+    import tempfile
+
     examples = _fake_examples(tmp_path)
     (examples / "train_multi_gpu.py").unlink()
+    (tmp_path / "temp").mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "temp"))
     results = gpu_check.run_files(2, 30, examples)
+    assert list((tmp_path / "temp").iterdir()) == []  # the runs' JSON files went with their folder
     assert [r.status for r in results] == ["missing", "missing", "pass", "pass", "pass", "measured"]
     assert "train_multi_gpu.py is not there" in results[0].detail
     assert results[-1].detail.startswith("on 12.5 ms, off 12.5 ms")

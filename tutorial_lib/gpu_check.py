@@ -6,7 +6,8 @@ The course is built and tested on CPUs. On a machine with 2 or more GPUs this ru
 reader would, 20 steps each, every one in a child process stopped after `--timeout` seconds (NCCL
 can hang): `examples/train_multi_gpu.py --check` (NCCL all-reduce; then `--strategy mirrored`),
 `examples/train_pipelined.py --check` on up to 3 GPUs, and the pipeline's training with the
-hand-off wait on and off, timed. It exits 1 when a run fails, errs or times out.
+hand-off wait on and off, timed. It exits 1 when a run fails, errs or times out. With one GPU it
+runs nothing and says what the files would need; with none, it says so.
 """
 
 from __future__ import annotations
@@ -27,6 +28,9 @@ CHECK_TIMEOUT_S = 300.0
 WHERE_TO_PASTE = "a new issue in the course's repository, titled 'gpu-check: <your GPUs>'"
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 NOT_FAILURES = ("pass", "skip", "missing", "measured")
+# The files carve simulated devices from the CPU only (their --simulate), never logical GPUs from one card.
+ONE_GPU = ("need 2 or more GPUs: their --simulate carves CPU devices only; one GPU would need it to carve logical "
+           "GPUs, where the replicated path takes the ring (NCCL refuses two ranks on one GPU)")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -97,12 +101,10 @@ def handoff_verdict(on: dict, off: dict) -> Result:
 
 
 def run_files(gpus: int, timeout: float, examples: Path = EXAMPLES) -> list[Result]:
-    """Every take-away run on `gpus` GPUs, then the hand-off verdict; skipped below 2 GPUs."""
-    runs = file_runs(gpus)
+    """Every take-away run on `gpus` GPUs, then the hand-off verdict; one skip below 2 GPUs, saying why."""
     if gpus < 2:
-        why = "needs 2 or more GPUs (the files use real GPUs only; NCCL refuses two ranks on one GPU)"
-        return [Result(r.name, "skip", why) for r in runs]
-    results, metrics = [], []
+        return [Result("the take-away files", "skip", ONE_GPU)]
+    runs, results, metrics = file_runs(gpus), [], []
     with tempfile.TemporaryDirectory(prefix="gpu_check_") as folder:
         for run in runs:
             print(f"running: {run.name} ...", file=sys.stderr, flush=True)
@@ -159,10 +161,18 @@ def report(info: dict[str, str], gpus: list[str], results: list[Result]) -> str:
         lines += ["", "the take-away files, float32 (TF32 off), each in a child process with a deadline:"]
         width = max(len(r.name) for r in results)
         lines += [f"{r.status.upper():8s} {r.name:{width}s}  {r.detail}" for r in results]
-        failed = [r for r in results if r.status not in NOT_FAILURES]
-        lines += ["", f"verdict: {'FAILED ' + str(len(failed)) if failed else 'all passed'} of {len(results)} runs"]
+        lines += ["", f"verdict: {verdict(results)}"]
     lines += ["```"]
     return "\n".join(lines)
+
+
+def verdict(results: list[Result]) -> str:
+    """FAILED k of n runs; all passed of n runs; or nothing ran, when every result is a skip."""
+    failed = [r for r in results if r.status not in NOT_FAILURES]
+    if failed:
+        return f"FAILED {len(failed)} of {len(results)} runs"
+    ran = [r for r in results if r.status != "skip"]
+    return f"all passed of {len(results)} runs" if ran else "nothing ran (see SKIP above)"
 
 
 def exit_status(results: list[Result]) -> int:
