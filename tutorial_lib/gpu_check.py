@@ -28,7 +28,6 @@ CHECK_TIMEOUT_S = 300.0
 WHERE_TO_PASTE = "a new issue in the course's repository, titled 'gpu-check: <your GPUs>'"
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 NOT_FAILURES = ("pass", "skip", "missing", "measured")
-# The files carve simulated devices from the CPU only (their --simulate), never logical GPUs from one card.
 ONE_GPU = ("need 2 or more GPUs: their --simulate carves CPU devices only; one GPU would need it to carve logical "
            "GPUs, where the replicated path takes the ring (NCCL refuses two ranks on one GPU)")  # fmt: skip
 
