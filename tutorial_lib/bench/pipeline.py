@@ -9,7 +9,7 @@ import itertools
 import re
 import statistics
 
-from .. import checks, schedules, timing
+from .. import schedules, timing
 from .rows import compared, row
 
 # The name scopes of the pipelined step: stage{s}/F{m}/... and, for a backward, stage{s}/B{m}/...
@@ -77,17 +77,17 @@ def naive_step(stages, devs):
     return naive
 
 
-def pipeline_vs_naive(devs, width=384, batch=768, micro_batches=4, sweep=(1, 2), repeats=10, data_parallel=True):
+def pipeline_vs_naive(devs, width=384, batch=768, micro_batches=4, sweep=(1, 2), repeats=10):
     """The case's rows: each variant's time and speedup over the naive split on a 2-stage MLP of
     equal stages, and the traced bubble of GPipe at `micro_batches` and each M of `sweep`, and of 1F1B."""
     from .. import pipeline
 
-    pair, M = list(devs[:2]), checks.whole_number(micro_batches, "micro_batches")
+    pair, M = list(devs[:2]), micro_batches
     stages = balanced_stages(pair, width)
     x, y = dense_batch(batch, input_width(width), pair)
     kinds = [("gpipe", M), ("1f1b", M), *(("gpipe", m) for m in sweep)]
     pipes = {f"{k}, M={m}": pipeline.Pipeline(stages, pair, m, learning_rate=0.0, schedule=k) for k, m in kinds}
-    rows = _timed_rows(stages, pair, pipes, x, y, M, repeats, data_parallel)
+    rows = _timed_rows(stages, pair, pipes, x, y, M, repeats)
     for pipe in pipes.values():
         pipe.check_batch(x, y)  # traced_step takes checked batches
     traced = traced_steps({name: pipe.traced_step for name, pipe in pipes.items()}, x, y, pair)
@@ -100,13 +100,12 @@ def pipeline_vs_naive(devs, width=384, batch=768, micro_batches=4, sweep=(1, 2),
     return rows
 
 
-def _timed_rows(stages, pair, pipes, x, y, M, repeats, data_parallel):
+def _timed_rows(stages, pair, pipes, x, y, M, repeats):
     naive = naive_step(stages, pair)
     variants = {"naive split": lambda: naive(x, y)}
     for name in (f"gpipe, M={M}", f"1f1b, M={M}"):
         variants[name] = lambda pipe=pipes[name]: pipe.train_step(x, y)
-    if data_parallel:
-        variants["data parallel"] = data_parallel_variant(pair, x, y)
+    variants["data parallel"] = data_parallel_variant(pair, x, y)
     times = timing.interleaved(variants, rounds=repeats)
     rows = [row("pipeline", name, t, devices=len(pair)) for name, t in times.items()]
     for r in rows:

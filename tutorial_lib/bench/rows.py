@@ -1,10 +1,5 @@
-"""A benchmark row: how a figure is made, compared, turned back into a `Timing`, shown and saved.
-
-A row is a dict with `case`, `variant`, `devices`, `device_model` and the time of one call
-as `ms`, `spread_ms` (milliseconds) and `samples`, then ratio fields (`efficiency`,
-`speedup`, ...), each with `<name>_range` (what the spreads allow) and `<name>_verdict`.
-Timed functions take `synthetic_batch`es and return `checksums`.
-"""
+"""A benchmark row (a dict: case, variant, devices, ms, spread_ms, samples, device_model and
+ratio fields, each with its range and verdict): made, compared, shown as a table, saved as JSON."""
 
 from __future__ import annotations
 

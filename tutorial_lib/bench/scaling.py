@@ -16,18 +16,17 @@ from .rows import compared, device_model, row, synthetic_batch
 LEARNING_RATE = 0.01  # every variant's SGD step: the same update, so only the time differs
 
 
-def per(t: timing.Timing, count: float) -> timing.Timing:
-    """`t` divided by `count`: the time per example of a step of `count` examples."""
-    return timing.Timing(t.median / count, t.spread / count, t.samples)
-
-
 def efficiency(t, one, k: int, examples: int, one_examples: int) -> dict:
     """Throughput on k devices over k times that on one, with its range; the verdict says whether
     k devices process examples faster than one, beyond the spreads."""
-    fields = compared(per(t, examples), per(one, one_examples), "efficiency")
+    fields = compared(_per(t, examples), _per(one, one_examples), "efficiency")
     fields["efficiency"] /= k
     fields["efficiency_range"] = [v / k for v in fields["efficiency_range"]]
     return fields
+
+
+def _per(t: timing.Timing, count: float) -> timing.Timing:
+    return timing.Timing(t.median / count, t.spread / count, t.samples)  # per example
 
 
 def weak_scaling(devs, hidden=(256, 256), per_device=(256,), repeats=15) -> list[dict]:
