@@ -86,11 +86,16 @@ def _parse(argv):
 
 
 def _available_memory() -> float | None:
-    """Bytes new processes can take (Linux's MemAvailable, page cache included); None elsewhere."""
+    """Bytes new processes can take (Linux's MemAvailable, page cache included), else the machine's
+    total (macOS), else None (Windows)."""
     try:
         with open("/proc/meminfo") as f:
             return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
     except (OSError, StopIteration):
+        pass
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
         return None
 
 
