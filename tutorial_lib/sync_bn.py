@@ -65,18 +65,19 @@ def _check_batches(xs) -> None:
         )
 
 
+def _on_each(devices, fn, *per_device):
+    """[fn(*args) run under devices[i], for args the i-th items of `per_device`]."""
+    out = []
+    for device, *args in zip(devices, *per_device, strict=True):
+        with tf.device(device):  # without a scope, eager ops run on the first device
+            out.append(fn(*args))
+    return out
+
+
 def _global_statistics(xs, places, method: str):
     """Per device, (count, mean, variance) of the global batch in float64: one all-reduce."""
-    slots = []
-    for i, (x, device) in enumerate(zip(xs, places, strict=True)):
-        with tf.device(device):
-            slots.append(_in_slot(local_moments(x), i, len(xs)))
-    gathered = allreduce.all_reduce(slots, method=method, devices=places)
-    out = []
-    for rows, device in zip(gathered, places, strict=True):
-        with tf.device(device):
-            out.append(combine_moments(rows))
-    return out
+    slots = _on_each(places, lambda i, x: _in_slot(local_moments(x), i, len(xs)), range(len(xs)), xs)
+    return _on_each(places, combine_moments, allreduce.all_reduce(slots, method=method, devices=places))
 
 
 def global_moments(xs, method: str = "auto"):
@@ -85,18 +86,13 @@ def global_moments(xs, method: str = "auto"):
     dtype (float32 for 16-bit input). A device's batch may be empty; the global batch may not."""
     _check_batches(xs)
     places = [x.device for x in xs]
-    stats = _global_statistics(xs, places, method)
-    out = []
-    for x, (_, mean, variance), device in zip(xs, stats, places, strict=True):
-        with tf.device(device):  # without a scope, eager ops run on the first device
-            dtype = _result_dtype(x.dtype)
-            out.append((tf.cast(mean, dtype), tf.cast(variance, dtype)))
-    return out
 
+    def pair(x, stats):
+        # float32 for 16-bit input: a variance of spread 300 (90,000) is past float16's largest value (65,504)
+        dtype = x.dtype if x.dtype in (tf.float32, tf.float64) else tf.float32
+        return tf.cast(stats[1], dtype), tf.cast(stats[2], dtype)
 
-def _result_dtype(dtype):
-    """float32 for 16-bit input: a variance of spread 300 (90,000) is past float16's largest value (65,504)."""
-    return dtype if dtype in (tf.float32, tf.float64) else tf.float32
+    return _on_each(places, pair, xs, _global_statistics(xs, places, method))
 
 
 def _is_real(value) -> bool:
@@ -186,29 +182,19 @@ class SyncBatchNorm(tf.Module):
         for x in xs:
             self._check_input(x)
         if not training:
-            return self._per_device(xs, devices, [(self.moving_mean, self.moving_variance)] * len(xs))
+            return _on_each(devices, lambda x: self._normalize(x, self.moving_mean, self.moving_variance), xs)
         _check_batches(xs)
         if self.synchronized:
             stats = _global_statistics(xs, devices, method)
         else:
-            stats = []
-            for x, device in zip(xs, devices, strict=True):
-                with tf.device(device):
-                    stats.append(combine_moments(local_moments(x)[None]))
-        out = self._per_device(xs, devices, [(mean, variance) for _, mean, variance in stats])
+            stats = _on_each(devices, lambda x: combine_moments(local_moments(x)[None]), xs)
+        out = _on_each(devices, lambda x, s: self._normalize(x, s[1], s[2]), xs, stats)
         # Moving statistics, once per step: the count-weighted average of the devices' pairs. Synchronized,
         # every pair is the global one; per device, it is the global mean and the mean within-device variance.
         count = tf.add_n([n for n, _, _ in stats])
         mean = tf.math.divide_no_nan(tf.add_n([n * m for n, m, _ in stats]), count)
         variance = tf.math.divide_no_nan(tf.add_n([n * v for n, _, v in stats]), count)
         self._update_moving(count, mean, variance)
-        return out
-
-    def _per_device(self, xs, devices, stats):
-        out = []
-        for x, (mean, variance), device in zip(xs, stats, devices, strict=True):
-            with tf.device(device):
-                out.append(self._normalize(x, mean, variance))
         return out
 
     def __call__(self, x, training: bool):
