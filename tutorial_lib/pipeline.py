@@ -144,7 +144,7 @@ class Pipeline:
         pipeline_checks.check_stages(stages, devices, learning_rate, optimizer)
         self.stages, self.devices, self.loss_fn = stages, devices, loss_fn
         self.micro_batches = checks.whole_number(micro_batches, "micro_batches")
-        self.orders = make_schedule(len(stages), self.micro_batches, schedule)
+        self.kind, self.orders = schedule, make_schedule(len(stages), self.micro_batches, schedule)
         self.learning_rate, self._template, self.optimizers = learning_rate, optimizer, None
         self.wait_for_arrival = (
             pipeline_checks.all_cpus(devices) if wait_for_arrival is None else bool(wait_for_arrival)
