@@ -74,21 +74,6 @@ def test_the_naive_split_of_notebook_01_equals_one_tape(devs, batch):
         np.testing.assert_allclose(g, r, atol=1e-6)
 
 
-def test_gradients_equal_the_reference_without_an_update(devs, batch):
-    x, y = batch
-    stages = mlp_stages(devs[:3])
-    pipe = pipeline.Pipeline(stages, devs[:3], 4, learning_rate=0.5, schedule="1f1b")
-    before = [v.numpy() for v in pipe.variables]
-    loss, grads = pipe.gradients(x, y)
-    ref_loss, ref_grads = reference.loss_and_gradients(models.Sequential(stages), x, y)
-    np.testing.assert_allclose(loss, ref_loss, atol=1e-6)
-    for g, r in zip(grads, ref_grads, strict=True):
-        np.testing.assert_allclose(g, r, atol=1e-6)
-    for v, b in zip(pipe.variables, before, strict=True):
-        np.testing.assert_array_equal(v.numpy(), b)
-    assert int(pipe.step) == 0
-
-
 def test_each_op_runs_on_its_stage_device(devs, batch):
     x, y = batch
     pipe = pipeline.Pipeline(mlp_stages(devs[:3]), devs[:3], 2, learning_rate=0.0, schedule="1f1b")
@@ -229,8 +214,12 @@ def test_a_keras_dropout_drops_in_the_pipeline_as_over_the_same_micro_batches_on
     stages = keras_stages(devs[:2], dropout=0.5)
     keras.utils.set_random_seed(0)
     single = keras_stages(dropout=0.5)
-    loss, grads = pipeline.Pipeline(stages, devs[:2], 4, learning_rate=0.5).gradients(x, y)
+    pipe = pipeline.Pipeline(stages, devs[:2], 4, learning_rate=1.0)
+    pipe.check_batch(x, y)  # builds the stages
+    before = [v.numpy() for v in pipe.variables]
     without = models.cross_entropy(stages[1](stages[0](x, training=False)), y)
+    loss = pipe.train_step(x, y)
+    grads = [b - v.numpy() for b, v in zip(before, pipe.variables, strict=True)]  # SGD at learning rate 1
     assert abs(float(loss) - float(without)) > 1e-4  # the stage was told it trains: its Dropout dropped
     variables = [v for stage in single for v in stage.trainable_variables]
     total, ref = None, 0.0
@@ -438,8 +427,8 @@ def test_float16_and_float64_activations_between_stages(devs, batch):
         models.Sequential([Cast(tf.float32), stages[1], Cast(tf.float16)]),  # stage 1 sends float16
         models.Sequential([Cast(tf.float32), stages[2]]),
     ]
-    loss, _ = pipeline.Pipeline(mixed, devs[:3], 4, learning_rate=0.5, schedule="1f1b").gradients(x, y)
-    ref_loss, _ = reference.loss_and_gradients(models.Sequential(mixed), x, y)
+    ref_loss, _ = reference.loss_and_gradients(models.Sequential(mixed), x, y)  # before the step's update
+    loss = pipeline.Pipeline(mixed, devs[:3], 4, learning_rate=0.5, schedule="1f1b").train_step(x, y)
     np.testing.assert_allclose(loss, ref_loss, atol=1e-5)
 
 
@@ -479,8 +468,8 @@ def test_batches_of_alternating_shapes_are_checked_once_each(devs, batch, monkey
     )
     flat = tf.reshape(x, [x.shape[0], -1])
     for _ in range(2):
-        pipe.gradients(flat[:32], y[:32])
-        pipe.gradients(flat[:16], y[:16])
+        pipe.train_step(flat[:32], y[:32])
+        pipe.train_step(flat[:16], y[:16])
     assert dry_runs == [(32, 64), (16, 64)]
 
 
@@ -514,7 +503,7 @@ def test_adam_per_stage_equals_adam_on_one_device(devs, batch):
 def test_each_stage_optimizer_lives_on_its_stage_device(devs, batch):
     template = keras.optimizers.Adam(1e-3)
     pipe = pipeline.Pipeline(mlp_stages(devs[:3]), devs[:3], 2, optimizer=template)
-    pipe.gradients(*batch)  # the copies are built with the first batch
+    pipe.check_batch(*batch)  # the copies are built with the first batch
     for s, optimizer in enumerate(pipe.optimizers):
         assert optimizer is not template
         slots = [v for v in optimizer.variables if v.name not in ("iteration", "learning_rate")]
@@ -604,7 +593,7 @@ def test_the_update_rule_is_given_once_and_the_optimizer_is_one_the_stages_can_s
     with pytest.raises(ValueError, match="loss scaling is not supported"):
         pipeline.Pipeline(stages, devs[:3], 2, optimizer=keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD()))
     with pytest.raises(TypeError, match="not a lambda"):
-        pipeline.Pipeline(stages, devs[:3], 2, optimizer=keras.optimizers.Adam(lambda: 1e-3)).gradients(*batch)
+        pipeline.Pipeline(stages, devs[:3], 2, optimizer=keras.optimizers.Adam(lambda: 1e-3)).check_batch(*batch)
 
 
 def test_a_variable_shared_by_two_stages_is_refused_with_an_optimizer(devs):

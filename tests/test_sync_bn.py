@@ -119,20 +119,12 @@ def test_bad_input(devs):
         sync_bn.global_moments(_spread(devs[:2], [np.zeros((2, 3), np.float32), np.zeros((2, 4), np.float32)]))
     with pytest.raises(ValueError, match="every device's batch is empty"):
         sync_bn.global_moments(_spread(devs[:2], [np.zeros((0, 3), np.float32)] * 2))
-    with pytest.raises(ValueError, match="axis 5 does not exist"):
-        sync_bn.global_moments(_spread(devs[:1], [np.zeros((2, 3), np.float32)]), axis=5)
+    with pytest.raises(ValueError, match=r"shape \(batch, ..., features\)"):
+        sync_bn.global_moments(_spread(devs[:1], [np.float32(2.0)]))
     with pytest.raises(ValueError, match="one tensor per device"):
         sync_bn.global_moments([])
     with pytest.raises(ValueError, match="2 tensors but 1 devices"):
         sync_bn.SyncBatchNorm(3).towers(_spread(devs[:2], [np.zeros((2, 3), np.float32)] * 2), devs[:1], True)
-
-
-def test_global_moments_refuse_devices_that_do_not_pair_up_with_the_tensors(devs):
-    xs = _spread(devs, [np.full((2, 3), i, np.float32) for i in range(len(devs))])
-    with pytest.raises(ValueError, match="4 tensors but 2 devices"):
-        sync_bn.global_moments(xs, devices=devs[:2])  # used to return the statistics of xs[:2]
-    with pytest.raises(TypeError, match="list of device names"):
-        sync_bn.global_moments(xs[:1], devices=devs[0])
 
 
 def test_global_moments_are_one_all_reduce(devs, monkeypatch):

@@ -1,7 +1,5 @@
-"""All-reduce: every device ends with the sum (or mean) of every device's tensor.
-
-Notebook 03's lessons (central, ring, NCCL, `allreduce_grads`), the checked entry `all_reduce`,
-gradient packing into buckets, and `nccl_version`.
+"""All-reduce: notebook 03's lessons (central, ring, NCCL, `allreduce_grads`), the checked entry
+`all_reduce`, gradient packing into buckets, and `nccl_version`.
 """
 
 from __future__ import annotations
@@ -178,7 +176,8 @@ def _checked_devices(tensors, devices) -> list[str]:
 
 
 def _nccl_problem(devices) -> str | None:
-    """Why NCCL cannot run on `devices` (a sentence that says what to use instead), or None if it can."""
+    """Why NCCL cannot run on `devices`, and what to use instead; None if it can. On logical GPUs
+    of one card, NCCL stops with "Duplicate GPU detected" or hangs: refused before any op is built."""
     cpus = [d for d in devices if "GPU" not in _devices.normalize(d)]
     if cpus:
         return f"NCCL runs on GPUs only, but tensors are on {cpus}. Use method='ring' or 'central'."
@@ -188,17 +187,8 @@ def _nccl_problem(devices) -> str | None:
     return None
 
 
-def check_nccl(devices) -> None:
-    """Refuse NCCL before any NCCL op is built where it cannot run: on CPUs, or on logical GPUs of
-    one card (several ranks on one GPU stop with "Duplicate GPU detected" or hang)."""
-    problem = _nccl_problem(devices)
-    if problem:
-        raise RuntimeError(problem)
-
-
 def auto_method(devices) -> str:
-    """What method="auto" means: "nccl" where every device is a GPU that NCCL can run on
-    (`check_nccl` would pass), else "ring", which runs on any device."""
+    """What method="auto" means: "nccl" where NCCL can run on every device, else "ring"."""
     return "ring" if _nccl_problem(devices) else "nccl"
 
 
@@ -216,8 +206,8 @@ def all_reduce(tensors, method: str = "ring", average: bool = False, devices=Non
         raise ValueError(f"average=True needs a floating dtype, got {tensors[0].dtype.name}; sum with average=False.")
     if method == "auto":
         method = auto_method(devices)
-    if method == "nccl":
-        check_nccl(devices)
+    if method == "nccl" and (problem := _nccl_problem(devices)):
+        raise RuntimeError(problem)
     summed = ALL_SUMS[method](tensors, devices)
     if not average:
         return summed
@@ -247,10 +237,8 @@ def buckets(tensors, max_bytes: int) -> list[list[int]]:
 
 
 def packed_allreduce_grads(all_grads, max_bytes: int, average: bool = True, method: str = "ring", devices=None):
-    """`allreduce_grads` with each tower's gradients packed into buckets first: one all-reduce per bucket.
-
-    Inside a `tf.function`, pass `devices` (one per tower): a tensor's device is not known there.
-    """
+    """`allreduce_grads` with each tower's gradients packed into buckets: one all-reduce per bucket.
+    Inside a `tf.function`, pass `devices` (one per tower): a tensor's device is not known there."""
     if any(g is None for g in all_grads[0]):
         raise ValueError("packing needs every gradient; drop the variables whose gradient is None first.")
     devices = devices or [grads[0].device for grads in all_grads]

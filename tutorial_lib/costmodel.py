@@ -1,8 +1,6 @@
-"""A cost model of data-parallel training: the alpha-beta all-reduce and a step on one machine
-(notebook 06's lessons, fitted there with `fit_compute` and `fit_alpha_beta`), and a step on a
-GPU cluster (`step_time`) with the mechanisms published systems use, each a switch of `Options`.
-Published results and the command line (``python -m tutorial_lib.costmodel --published``) are
-in `published`.
+"""Cost model of data-parallel training: the alpha-beta all-reduce, a step on one machine
+(notebook 06), a step on a GPU cluster with the mechanisms of `Options`, and ZeRO's sharding
+terms (notebook 08). Published results and the command line live in `published`.
 """
 
 from __future__ import annotations
@@ -41,11 +39,9 @@ class Compute:
     fixed: float  # seconds per step whatever the batch
 
 
-# Link figures, one per kind of link and the same in every system. Bandwidths are public line
-# rates (PCIe 3.0 x16: 15.75 GB/s, of which a copy sustains about 12 GB/s; NVLink 1 on the P100:
-# 20 GB/s per link and direction, NVIDIA's Tesla P100 whitepaper; Ethernet and RoCE: Gbit/s / 8).
-# Latencies per message are orders of magnitude, not measurements: 5 us over NVLink and RDMA
-# networks, 10 us over PCIe through the host, 25 us over TCP. Notebook 06 shows how much they matter.
+# Bandwidths are public line rates (PCIe 3.0 x16 sustains about 12 of its 15.75 GB/s; NVLink 1:
+# 20 GB/s per link and direction, NVIDIA's P100 whitepaper). Latencies are orders of magnitude,
+# not measurements: 5 us over NVLink and RDMA, 10 us over PCIe, 25 us over TCP.
 PCIE3 = AlphaBeta(alpha=10e-6, beta=1 / 12e9)
 NVLINK_P100 = AlphaBeta(alpha=5e-6, beta=1 / 20e9)
 NVLINK_A100 = AlphaBeta(alpha=5e-6, beta=1 / 150e9)  # 300 GB/s per direction, half sustained
@@ -62,7 +58,6 @@ ALLREDUCE_TERMS = {
     "halving_doubling": lambda n: (2 * int(np.ceil(np.log2(n))), 2 * (n - 1) / n),
     "central": lambda n: (2 * (n - 1), 2 * (n - 1)),
 }
-ALGORITHMS = tuple(ALLREDUCE_TERMS)
 
 
 # lesson: 06_scaling
@@ -83,7 +78,7 @@ def step_seconds(compute, per_device_batch, n, gradient_bytes, link, algorithm="
 def _coefficients(n: int, algorithm: str) -> tuple[float, float]:
     """(messages, bytes per byte of the tensor) of `algorithm` over `n` devices, or a clear error."""
     if algorithm not in ALLREDUCE_TERMS:
-        raise ValueError(f"algorithm must be one of {', '.join(map(repr, ALGORITHMS))}, got {algorithm!r}.")
+        raise ValueError(f"algorithm must be one of {', '.join(map(repr, ALLREDUCE_TERMS))}, got {algorithm!r}.")
     return ALLREDUCE_TERMS[algorithm](checks.whole_number(n, "n (the number of devices)"))
 
 
@@ -116,8 +111,7 @@ def fit_compute(batch_sizes, seconds) -> Compute:
     return Compute(max(float(slope), 0.0), max(float(intercept), 0.0))
 
 
-# ---------------------------------------------------------------------------------------
-# GPU clusters: nodes, a network, and the mechanisms that hide or shrink the all-reduce.
+# --- GPU clusters: nodes, a network, and the mechanisms that hide or shrink the all-reduce ---
 
 
 @dataclass(frozen=True)
@@ -176,10 +170,8 @@ class Options:
     fusion: bool = False  # pack small tensors into buckets of `bucket_bytes`
     hierarchical: bool = False  # reduce-scatter in the node, all-reduce across, all-gather in the node
     gradient_bits: int = 32  # 16: half the bytes
-    # Horovod's fusion threshold (HOROVOD_FUSION_THRESHOLD: 64 MB until v0.21, 128 MB since); DDP's is 25 MB
-    bucket_bytes: float = 64 * 2**20
-    # backward = 2 x forward in FLOPs (Kaplan et al. 2020, arXiv:2001.08361: 2N per token forward, 4N backward)
-    backward_share: float = 2 / 3
+    bucket_bytes: float = 64 * 2**20  # Horovod's fusion threshold of 2017; DDP's is 25 MB
+    backward_share: float = 2 / 3  # backward = 2 x forward in FLOPs (Kaplan et al. 2020, arXiv:2001.08361)
 
     def __post_init__(self):
         _coefficients(1, self.algorithm)
@@ -228,10 +220,9 @@ class Workload:
 
 
 def cluster_allreduce_time(num_bytes: float, n: int, system: System, options: Options = Options()) -> float:
-    """Seconds of one all-reduce of `num_bytes` over `n` GPUs of `system`: inside one node over its
-    link; across nodes flat, every step as slow as the network card; or hierarchical, a ring
-    inside each node plus `options.algorithm` across nodes, whose g GPUs each carry 1/g of the
-    data through the node's one card (the same bytes; 2(n/g - 1) messages instead of 2(n - 1))."""
+    """Seconds of one all-reduce over `n` GPUs: inside a node over its link; across nodes flat at
+    the network card's speed, or hierarchical (a ring in each node, then `options.algorithm` across
+    nodes: the same bytes through the card, 2(n/g - 1) messages instead of 2(n - 1))."""
     n, gpus = checks.whole_number(n, "n (the number of GPUs)"), system.node.gpus
     num_bytes = _nonnegative(num_bytes, "num_bytes")
     if n <= gpus:
@@ -247,9 +238,8 @@ def cluster_allreduce_time(num_bytes: float, n: int, system: System, options: Op
 
 
 def buckets(gradient_bytes: float, tensors: int, options: Options = Options()) -> list[float]:
-    """Bytes of each all-reduce of a step, in the order the backward pass makes them: tensors of
-    equal size (a stated simplification), each alone, or with fusion consecutive ones sharing a
-    bucket of at most `options.bucket_bytes` (a tensor larger than a bucket goes alone)."""
+    """Bytes of each all-reduce of a step, in backward order: tensors of equal size (a simplification),
+    each alone, or with fusion sharing buckets of at most `options.bucket_bytes`."""
     tensors = checks.whole_number(tensors, "tensors")
     size = _nonnegative(gradient_bytes, "gradient_bytes") / tensors
     per_bucket = 1
@@ -261,8 +251,7 @@ def buckets(gradient_bytes: float, tensors: int, options: Options = Options()) -
 
 def exposed_communication(bucket_seconds, bucket_bytes, backward_seconds: float, overlap: bool) -> float:
     """Seconds of all-reduce the step waits for after its backward pass: all of it without overlap;
-    with overlap (gradients made at an even rate, a stated simplification) each bucket starts when
-    it is ready and the one before is done, and what runs past the pass's end is exposed."""
+    with overlap (gradients made at an even rate) what runs past the end of the pass."""
     checks.same_length("bucket times", bucket_seconds, "bucket sizes", bucket_bytes)
     if not overlap:
         return float(sum(bucket_seconds))
@@ -302,8 +291,7 @@ def cluster_efficiency(
     return step_time(workload, baseline, system, options).seconds / step_time(workload, n, system, options).seconds
 
 
-# ---------------------------------------------------------------------------------------
-# Sharding (notebook 08): model state per device and bytes sent per device per step.
+# --- sharding (notebook 08): model state per device and bytes sent per device per step ---
 
 ZERO_SHARDED = {0: (), 1: ("optimizer",), 2: ("optimizer", "grads"), 3: ("optimizer", "grads", "params")}
 SHARDINGS = ("data parallel", "ZeRO-1", "ZeRO-2", "ZeRO-3", "tensor parallel")
@@ -315,36 +303,32 @@ def _stage(stage) -> int:
     return stage
 
 
-def zero_memory(parameters, n, stage, weight_bytes=2, grad_bytes=2, k=12) -> float:
-    """Bytes of model state per device under ZeRO `stage` (0: data parallelism): Rajbhandari et
-    al. 2020 (arXiv:1910.02054), sec. 5: (weight + grad + K) Psi, each part the stage shards
-    divided by n. Mixed-precision Adam: 2 + 2 + 12; float32 Adam: 4 + 4 + 8."""
+def zero_memory(parameters, n, stage, k=12) -> float:
+    """Bytes of model state per device under ZeRO `stage` (0: data parallelism), mixed-precision
+    Adam: (2 + 2 + K) Psi, each part the stage shards divided by n (arXiv:1910.02054, sec. 5)."""
     psi, n, sharded = _nonnegative(parameters, "parameters"), checks.whole_number(n, "n"), ZERO_SHARDED[_stage(stage)]
-    parts = {"params": weight_bytes, "grads": grad_bytes, "optimizer": k}
+    parts = {"params": 2, "grads": 2, "optimizer": k}
     return sum(psi * size / (n if part in sharded else 1) for part, size in parts.items())
 
 
-def zero_traffic(parameters, n, stage, grad_bytes=2) -> float:
-    """Bytes each device sends per step: a reduce-scatter and an all-gather, (n-1)/n Psi each, for
-    stages 0-2; stage 3 gathers the weights twice (the paper's 3 Psi, 1.5 times)."""
+def zero_traffic(parameters, n, stage) -> float:
+    """16-bit bytes each device sends per step: a reduce-scatter and an all-gather, (n-1)/n Psi each;
+    stage 3 gathers the weights twice (the paper's 3 Psi, 1.5 times)."""
     halves = 3 if _stage(stage) == 3 else 2
     n = checks.whole_number(n, "n")
-    return halves * (n - 1) / n * _nonnegative(parameters, "parameters") * grad_bytes
+    return halves * (n - 1) / n * _nonnegative(parameters, "parameters") * 2
 
 
-def tensor_parallel_traffic(activation_elements, n, layers, allreduces_per_layer=4, element_bytes=2) -> float:
-    """Bytes each device sends per step in Megatron-LM's tensor parallelism (Shoeybi et al. 2019,
-    arXiv:1909.08053, sec. 3): per transformer layer 2 all-reduces forward and 2 backward of the
-    activation (batch x sequence x hidden elements), 2(n-1)/n of it each."""
+def tensor_parallel_traffic(activation_elements, n, layers) -> float:
+    """16-bit bytes each device sends per step in Megatron-LM (arXiv:1909.08053, sec. 3): per layer
+    2 all-reduces forward and 2 backward of the activation, 2(n-1)/n of it each."""
     n, layers = checks.whole_number(n, "n"), checks.whole_number(layers, "layers")
-    size = _nonnegative(activation_elements, "activation_elements") * element_bytes
-    return layers * allreduces_per_layer * 2 * (n - 1) / n * size
+    return layers * 4 * 2 * (n - 1) / n * _nonnegative(activation_elements, "activation_elements") * 2
 
 
 def sharding_table(parameters, n, link, activation_elements, layers) -> list[dict]:
-    """Mixed-precision Adam: model state per device and bytes and seconds of communication per step
-    (bytes x beta, latency left out) for data parallelism, ZeRO 1-3 and tensor parallelism (whose
-    weights, gradients and optimizer state all split n ways; activations are not counted)."""
+    """Per method of `SHARDINGS`: model state per device, and bytes and seconds (bytes x beta) sent
+    per step; tensor parallelism splits all the state n ways; activations are not counted."""
     rows = []
     for method in SHARDINGS:
         if method == "tensor parallel":
@@ -357,7 +341,7 @@ def sharding_table(parameters, n, link, activation_elements, layers) -> list[dic
     return rows
 
 
-if __name__ == "__main__":  # python -m tutorial_lib.costmodel --published: the command line lives in `published`
+if __name__ == "__main__":  # python -m tutorial_lib.costmodel --published
     import sys
 
     from tutorial_lib.published import main

@@ -1,9 +1,6 @@
-"""The pipelined training step, built from a schedule into ONE graph per step (or wave of steps).
-
-- `run_stage`, `added_losses`, `pipelined_gradients`, `update_stages`, `one_optimizer_per_stage`:
-  copies of notebook 05's cells, the step itself;
-- `Pipeline`: the step as an object, with checks (`pipeline_checks`), optimizer copies, waves;
-- `staged_gradients`: notebook 01's naive split, the baseline the benchmark times against.
+"""The pipelined training step, built from a schedule into ONE graph per step (or wave of steps):
+notebook 05's cells, `Pipeline` (the step as an object, checked by `pipeline_checks`), and
+notebook 01's naive split `staged_gradients`, the baseline the benchmark times against.
 """
 
 from __future__ import annotations
@@ -123,17 +120,13 @@ def copy_optimizer(template):
 
 
 class Pipeline:
-    """Train `stages` (Keras models or callables with `trainable_variables`), stage s on devices[s],
-    on batches cut into `micro_batches`, in the order `schedule` gives, by plain SGD
-    (`learning_rate`) or one copy per stage of a Keras `optimizer`. `loss_fn` returns the MEAN
-    over its micro-batch; a Keras stage's `losses` are added to it.
+    """Train `stages`, stage s on devices[s], on batches cut into `micro_batches`, in the order
+    `schedule` gives, by plain SGD (`learning_rate`) or one copy per stage of a Keras `optimizer`.
+    `loss_fn` returns the MEAN over its micro-batch; a Keras stage's `losses` are added to it.
 
-    `wait_for_arrival` (default: on where every device is a CPU) makes a stage go on only once
-    its output has reached the next device: a CPU may otherwise send it only when the stage runs
-    out of work (notebook 05 traces it), while on a GPU waiting would drain the stream.
-
-    A step that fails before its updates changes nothing; one that fails in an update may leave
-    some stages updated, and `step`, which counts the steps applied whole, is not advanced.
+    `wait_for_arrival` (default: on CPUs) makes a stage go on only once its output has reached the
+    next device: a CPU may otherwise send it only when the stage runs out of work (notebook 05),
+    while on a GPU waiting would drain the stream. `step` counts the steps applied whole.
     """
 
     def __init__(
@@ -161,7 +154,6 @@ class Pipeline:
             self.step = tf.Variable(0, dtype=tf.int64, trainable=False, name="pipeline_step")
         self.traced_step = tf.function(lambda x, y: self.build_steps([x], [y])[0], autograph=False)
         self._wave = tf.function(lambda xs, ys: tf.stack(self.build_steps(xs, ys)), autograph=False)
-        self._gradients = tf.function(self._gradients_graph, autograph=False)
 
     @property
     def variables(self):
@@ -187,10 +179,6 @@ class Pipeline:
         pairs = [self.check_batch(x, y) for x, y in zip(xs, ys, strict=True)]
         return self._wave(tuple(x for x, _ in pairs), tuple(y for _, y in pairs))
 
-    def gradients(self, x, y):
-        """(loss, the gradients of every stage's weights in order), with no update."""
-        return self._gradients(*self.check_batch(x, y))
-
     def build_steps(self, xs, ys):
         """Build K steps into the graph being traced (inside a `tf.function`), each starting once the
         one before is applied; returns their losses. The batches must have passed `check_batch`."""
@@ -204,12 +192,6 @@ class Pipeline:
                 applied = [self.step.assign_add(1)]  # the step's last op: it counts the steps applied whole
             losses.append(loss)
         return losses
-
-    def _gradients_graph(self, x, y):
-        loss, grads = pipelined_gradients(
-            self.stages, self.devices, self.orders, x, y, self.loss_fn, self.wait_for_arrival
-        )
-        return loss, [g for per_stage in grads for g in per_stage]
 
     def check_batch(self, x, y):
         """(x, y) as tensors, checked once per shape; the first batch also builds a Keras stage's

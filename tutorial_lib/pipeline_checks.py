@@ -1,8 +1,5 @@
-"""The pipeline's guard rails: what `Pipeline` refuses, and the messages that say how to fix it.
-
-They run beside the step, never inside it: once when a pipeline is made (`check_stages`),
-and once per new batch shape (`check_split`, `check_labels`, and `dry_run`, one micro-batch
-through the stages in inference mode, which also builds a Keras stage's weights).
+"""The pipeline's guard rails, beside the step, never inside it: what `Pipeline` refuses when it
+is made (`check_stages`) and once per new batch shape (`check_split`, `check_labels`, `dry_run`).
 """
 
 from __future__ import annotations
@@ -31,8 +28,7 @@ def check_stages(stages, devices, learning_rate, optimizer) -> None:
 
 
 def keras_layers(stage) -> list:
-    """Every Keras layer in `stage`: itself and those it (a Keras model, a `tf.Module`) holds in
-    its attributes, lists and dicts, in the order it holds them."""
+    """Every Keras layer in `stage`: itself and those held in its attributes, lists and dicts."""
     found, seen, todo = [], set(), [stage]
     while todo:
         obj = todo.pop(0)

@@ -1,10 +1,5 @@
-"""Published data-parallel scaling results, with their sources, beside the cost model's predictions.
-
-`PUBLISHED` holds each result with the workload, system and options the model needs;
-`published_table` and `format_table` set published and predicted side by side, and `explain`
-says what each mechanism is worth. Every model and hardware figure names its public source;
-none is fitted to the published efficiencies. The command line:
-``python -m tutorial_lib.published --published [--json PATH]`` (or ``-m tutorial_lib.costmodel``).
+"""Published scaling results with their sources, beside the cost model's predictions (none fitted
+to them), and the command line ``python -m tutorial_lib.costmodel --published [--json PATH]``.
 """
 
 from __future__ import annotations
@@ -26,6 +21,7 @@ from .costmodel import (
     network_link,
     switched_off,
     terms_on,
+    zero_memory,
 )
 
 # Trainable parameters and tensors, counted on keras.applications.<Model>(weights=None) (checked
@@ -65,11 +61,14 @@ def p100_seconds_per_example(model: str, batch: int) -> tuple[float, str]:
     raise ValueError(f"no published P100 speed for {model!r} at batch {batch}; known: {sorted(P100_IMAGES_PER_S)}.")
 
 
+def _workload(name: str, model: str, seconds: float, batch: int, speed_source: str) -> Workload:
+    figures, source = MODEL_FIGURES[model], f"parameters and tensors of keras.applications; {speed_source}"
+    return Workload(name, figures["parameters"], figures["tensors"], seconds, batch, source)
+
+
 def p100_workload(model: str, batch: int) -> Workload:
     seconds, speed_source = p100_seconds_per_example(model, batch)
-    figures = MODEL_FIGURES[model]
-    source = f"parameters and tensors of keras.applications; {speed_source}"
-    return Workload(model, figures["parameters"], figures["tensors"], seconds, batch, source)
+    return _workload(model, model, seconds, batch, speed_source)
 
 
 # Images per second on ONE A100 40GB, ResNet-50 v1.5 (ResNet-50's parameters), batch 256, real
@@ -81,13 +80,11 @@ A100_IMAGES_PER_S = {"TF32": 909.0, "AMP": 2375.0}  # AMP: automatic mixed preci
 def a100_resnet50(precision: str) -> Workload:
     if precision not in A100_IMAGES_PER_S:
         raise ValueError(f"precision must be one of {sorted(A100_IMAGES_PER_S)}, got {precision!r}.")
-    figures = MODEL_FIGURES["ResNet-50"]
     source = (
-        "parameters and tensors of keras.applications; one A100's images/s from NVIDIA DeepLearningExamples "
+        "one A100's images/s from NVIDIA DeepLearningExamples "
         f"(ResNet-50 v1.5, TensorFlow, {precision} + XLA, batch 256, real data)"
     )
-    seconds = 1 / A100_IMAGES_PER_S[precision]
-    return Workload(f"ResNet-50 {precision}", figures["parameters"], figures["tensors"], seconds, 256, source)
+    return _workload(f"ResNet-50 {precision}", "ResNet-50", 1 / A100_IMAGES_PER_S[precision], 256, source)
 
 
 @dataclass(frozen=True)
@@ -110,16 +107,15 @@ HOROVOD_CLUSTER = System(
     Network("25 Gbit/s RoCE (3.125 GB/s, 5 us)", network_link(25, rdma=True)),
 )
 # Horovod 0.9-0.11 (2017): one NCCL 2 ring over all GPUs, each gradient queued as soon as the
-# backward pass makes it, tensor fusion up to 64 MB (its docs, tensor-fusion.rst); its
-# hierarchical all-reduce came in 2018. Horovod fuses what is ready in each cycle (5 ms then)
-# up to the threshold; buckets of the threshold's size are the model's coarser stand-in.
+# backward pass makes it, tensor fusion up to 64 MB (its docs, tensor-fusion.rst); buckets of the
+# threshold's size stand in for what is fused per cycle. Its hierarchical all-reduce came in 2018.
 HOROVOD_OPTIONS = Options(algorithm="ring", overlap=True, fusion=True)
 DGX1_HOST = System(
     Node("DGX-1, 8 P100, gradients to a parameter server on the host CPU over PCIe 3.0 x16 (12 GB/s, 10 us)", 8, PCIE3)
 )
 # variable_update=parameter_server, local_parameter_device=cpu: each gradient goes to the host as
-# soon as it exists (TensorFlow's dataflow), one transfer per tensor; "central" over one PCIe link
-# is a pessimistic stand-in for the host's several links.
+# soon as it exists, one transfer per tensor; "central" over one PCIe link is a pessimistic
+# stand-in for the host's several links.
 DGX1_OPTIONS = Options(algorithm="central", overlap=True)
 BIG_BASIN = System(
     Node("Big Basin server, 8 P100 on NVLink (20 GB/s, 5 us)", 8, NVLINK_P100),
@@ -129,66 +125,58 @@ BIG_BASIN = System(
 # summed inside the server (NCCL), recursive halving and doubling across servers (Gloo).
 BIG_BASIN_OPTIONS = Options(algorithm="halving_doubling", overlap=True, hierarchical=True)
 DGX_A100 = System(Node("DGX A100, 8 A100 on NVLink and NVSwitch (150 GB/s, 5 us)", 8, NVLINK_A100))
-# NVIDIA's script uses Horovod, whose options (fusion, overlap, 32-bit gradients) are those above.
-DGX_A100_OPTIONS = HOROVOD_OPTIONS
 # For extrapolating: such nodes joined by one 100 Gbit/s InfiniBand card each (many have more).
 A100_CLUSTER = System(
     DGX_A100.node, Network("100 Gbit/s InfiniBand, one card per node (12.5 GB/s, 5 us)", network_link(100, rdma=True))
 )
 
-_HOROVOD_128 = (
-    "Horovod docs, Benchmarks page (docs/benchmarks.rst in horovod/horovod): 128 servers x 4 Pascal GPUs, "
-    "RoCE-capable 25 Gbit/s, tf_cnn_benchmarks --batch_size 64 --variable_update horovod: 90% Inception V3 "
-    "and ResNet-101, 68% VGG-16. The paper (Sergeev & Del Balso 2018, arXiv:1802.05799) plots these runs."
-)
-_HOROVOD_32 = (
-    "Horovod README and docs of 2017 (the 128-GPU benchmark, e.g. github.com/alsrgv/horovod): 32 servers x 4 "
-    "Pascal GPUs, RoCE-capable 25 Gbit/s: 90% Inception V3 and ResNet-101, 79% VGG-16; batch 64 per GPU as in "
-    "its benchmark instructions."
-)
-_TF_DGX1 = (
-    "TensorFlow benchmarks page (tensorflow/docs site/en/r1/guide/performance/benchmarks.md, May 2017): "
-    "DGX-1, ResNet-50, batch 64 per GPU, synthetic data, variable_update=parameter_server, "
-    "local_parameter_device=cpu: 219 images/s on 1 P100, 1734 on 8, efficiency 1734 / (8 x 219)."
-)
-_GOYAL = (
-    "Goyal et al. 2017, Accurate, Large Minibatch SGD: Training ImageNet in 1 Hour (arXiv:1706.02677): "
-    "~90% scaling efficiency from 8 to 256 GPUs (abstract), ResNet-50, 8192 images on 256 GPUs (32 per GPU); "
-    "Big Basin servers of 8 P100 on NVLink, 50 Gbit/s Ethernet (sec. 4). One P100's speed is TensorFlow's, "
-    "not the paper's Caffe2."
-)
-_NVIDIA_A100 = (
-    "NVIDIA DeepLearningExamples, TensorFlow/Classification/ConvNets/resnet50v1.5/README.md, Training "
-    "performance: NVIDIA DGX A100 (8x A100 40GB): batch 256 per GPU, real data averaged over an epoch, "
-    "weak scaling 7.70x (TF32 + XLA) and 7.32x (AMP, mixed precision + XLA) on 8 GPUs."
-)
+
+def _runs(run, results, source) -> list[Published]:
+    """One `Published` per (workload, efficiency) of `results`; `run` is (label, GPUs, baseline GPUs,
+    system, options), shared by the results of one publication."""
+    label, gpus, baseline, system, options = run
+    return [Published(label, w, gpus, baseline, e, system, options, source) for w, e in results]
 
 
-def _published() -> tuple[Published, ...]:
-    rows = []
-    for servers, efficiencies, source in (
-        (128, (0.90, 0.90, 0.68), _HOROVOD_128),
-        (32, (0.90, 0.90, 0.79), _HOROVOD_32),
-    ):
-        for model, efficiency in zip(("Inception V3", "ResNet-101", "VGG-16"), efficiencies, strict=True):
-            workload = p100_workload(model, 64)
-            label = f"Horovod, {servers} x 4 GPUs"
-            rows.append(
-                Published(label, workload, 4 * servers, 1, efficiency, HOROVOD_CLUSTER, HOROVOD_OPTIONS, source)
-            )
-    resnet50 = p100_workload("ResNet-50", 64)
-    rows.append(
-        Published("tf_cnn_benchmarks, DGX-1", resnet50, 8, 1, 1734 / (8 * 219), DGX1_HOST, DGX1_OPTIONS, _TF_DGX1)
-    )
-    goyal = p100_workload("ResNet-50", 32)
-    rows.append(Published("Goyal et al., 32 x 8 GPUs", goyal, 256, 8, 0.90, BIG_BASIN, BIG_BASIN_OPTIONS, _GOYAL))
-    for precision, speedup in (("TF32", 7.70), ("AMP", 7.32)):
-        label, workload = "NVIDIA examples, DGX A100", a100_resnet50(precision)
-        rows.append(Published(label, workload, 8, 1, speedup / 8, DGX_A100, DGX_A100_OPTIONS, _NVIDIA_A100))
-    return tuple(rows)
-
-
-PUBLISHED = _published()
+_HOROVOD_MODELS = [p100_workload(model, 64) for model in ("Inception V3", "ResNet-101", "VGG-16")]
+PUBLISHED = (
+    *_runs(
+        ("Horovod, 128 x 4 GPUs", 512, 1, HOROVOD_CLUSTER, HOROVOD_OPTIONS),
+        zip(_HOROVOD_MODELS, (0.90, 0.90, 0.68), strict=True),
+        "Horovod docs, Benchmarks page (docs/benchmarks.rst in horovod/horovod): 128 servers x 4 Pascal GPUs, "
+        "RoCE-capable 25 Gbit/s, tf_cnn_benchmarks --batch_size 64 --variable_update horovod: 90% Inception V3 "
+        "and ResNet-101, 68% VGG-16. The paper (Sergeev & Del Balso 2018, arXiv:1802.05799) plots these runs.",
+    ),
+    *_runs(
+        ("Horovod, 32 x 4 GPUs", 128, 1, HOROVOD_CLUSTER, HOROVOD_OPTIONS),
+        zip(_HOROVOD_MODELS, (0.90, 0.90, 0.79), strict=True),
+        "Horovod README and docs of 2017 (the 128-GPU benchmark, e.g. github.com/alsrgv/horovod): 32 servers x 4 "
+        "Pascal GPUs, RoCE-capable 25 Gbit/s: 90% Inception V3 and ResNet-101, 79% VGG-16; batch 64 per GPU as in "
+        "its benchmark instructions.",
+    ),
+    *_runs(
+        ("tf_cnn_benchmarks, DGX-1", 8, 1, DGX1_HOST, DGX1_OPTIONS),
+        [(p100_workload("ResNet-50", 64), 1734 / (8 * 219))],
+        "TensorFlow benchmarks page (tensorflow/docs site/en/r1/guide/performance/benchmarks.md, May 2017): "
+        "DGX-1, ResNet-50, batch 64 per GPU, synthetic data, variable_update=parameter_server, "
+        "local_parameter_device=cpu: 219 images/s on 1 P100, 1734 on 8, efficiency 1734 / (8 x 219).",
+    ),
+    *_runs(
+        ("Goyal et al., 32 x 8 GPUs", 256, 8, BIG_BASIN, BIG_BASIN_OPTIONS),
+        [(p100_workload("ResNet-50", 32), 0.90)],
+        "Goyal et al. 2017, Accurate, Large Minibatch SGD: Training ImageNet in 1 Hour (arXiv:1706.02677): "
+        "~90% scaling efficiency from 8 to 256 GPUs (abstract), ResNet-50, 8192 images on 256 GPUs (32 per GPU); "
+        "Big Basin servers of 8 P100 on NVLink, 50 Gbit/s Ethernet (sec. 4). One P100's speed is TensorFlow's, "
+        "not the paper's Caffe2.",
+    ),
+    *_runs(  # NVIDIA's script uses Horovod, with Horovod's options (fusion, overlap, 32-bit gradients)
+        ("NVIDIA examples, DGX A100", 8, 1, DGX_A100, HOROVOD_OPTIONS),
+        [(a100_resnet50("TF32"), 7.70 / 8), (a100_resnet50("AMP"), 7.32 / 8)],
+        "NVIDIA DeepLearningExamples, TensorFlow/Classification/ConvNets/resnet50v1.5/README.md, Training "
+        "performance: NVIDIA DGX A100 (8x A100 40GB): batch 256 per GPU, real data averaged over an epoch, "
+        "weak scaling 7.70x (TF32 + XLA) and 7.32x (AMP, mixed precision + XLA) on 8 GPUs.",
+    ),
+)
 
 
 def predict(row: Published, options: Options | None = None) -> float:
@@ -257,8 +245,6 @@ MEGATRON_ABSTRACT = {"petaflops": 15.1, "gpus": 512, "baseline_teraflops": 39.0,
 
 def zero_figure_1() -> dict[int, tuple[float, float]]:
     """Per stage: (published GB per device, the cost model's GB) for ZeRO's Figure 1."""
-    from .costmodel import zero_memory
-
     f = ZERO_FIGURE_1
     return {
         stage: (gb, zero_memory(f["parameters"], f["devices"], stage, k=f["k"]) / 1e9) for stage, gb in f["gb"].items()

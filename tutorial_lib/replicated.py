@@ -1,7 +1,5 @@
-"""Replicated data parallelism: a copy of the model per device, gradients all-reduced, every copy updated.
-
-Notebook 03's lessons, and `update_ratio`/`update_gap`, which compare how far weights moved
-with a reference's move.
+"""Replicated data parallelism (notebook 03's lessons): a model copy per device, gradients
+all-reduced, every copy updated; `update_ratio`/`update_gap` compare a move with a reference's.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""Pipeline schedules in plain Python (notebook 05's cells): each stage's order of forwards
-("F", m) and backwards ("B", m), what it keeps in memory, how long it idles; `bubble_fraction`.
+"""Pipeline schedules in plain Python (notebook 05's cells): each stage's order of forwards and
+backwards, what it keeps in memory, how long it idles; `bubble_fraction`.
 """
 
 from __future__ import annotations

@@ -1,10 +1,6 @@
-"""Sharding: ZeRO stages 1-3 built from the ring's two halves (notebook 08's lessons, copied here).
-
-A two-layer MLP keeps each layer's weights and bias as one flat vector (as FSDP keeps a layer);
-`make_state` places on each device the whole vector or only its chunk, by ZeRO stage, as
-variables, so that `memory_per_device` reads what each device holds from where the variables
-live; `zero_step` trains one step and adds the bytes each device sends to `traffic`, counted by
-`allreduce.reduce_scatter` and `allreduce.all_gather`.
+"""Sharding (notebook 08's lessons, copied here): ZeRO stages 1-3 built from the ring's two halves
+on an MLP whose layers are flat vectors, and Megatron's f and g operators; each step adds the
+bytes each device sends to `traffic`.
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """`StagedInput`: feed a `Pipeline` through a `StagingArea`, as `tf_cnn_benchmarks` fed its towers.
 
-`StagingArea` is PRIVATE (`tensorflow.python.ops.data_flow_ops`; the public route is
-`tf.data.experimental.prefetch_to_device`). A `get` from an empty area waits forever, so the
-area is used only inside `run`, which puts before it gets and empties the area when a step fails.
+`StagingArea` is PRIVATE (the public route is `tf.data.experimental.prefetch_to_device`). A `get`
+from an empty area waits forever: only `run` uses it, putting before it gets, emptying it on failure.
 """
 
 from __future__ import annotations
@@ -28,10 +27,7 @@ def staged_step(area, build_step, x_next=None, y_next=None):
 
 class StagedInput:
     """`StagedInput(pipeline).run(batches)` trains on each (x, y) of `batches`, each step putting
-    the next batch while it runs; returns the losses. Batches share the first's dtypes and shape
-    but for the number of examples. When a step fails, the losses of the steps before it are in
-    the error's `losses` attribute.
-    """
+    the next batch while it runs, and returns the losses (on failure, in the error's `losses`)."""
 
     def __init__(self, pipeline):
         self.pipeline = pipeline

@@ -1,7 +1,5 @@
-"""TensorFlow's own route: `MirroredStrategy` in a custom training loop, without `fit`.
-
-`mirrored_train_step` is notebook 03's step (a copy); `multi_worker` runs it under
-`MultiWorkerMirroredStrategy`. `mirrored_strategy` lets several strategies share a process.
+"""TensorFlow's own route: `MirroredStrategy` in a custom training loop (notebook 03's step, which
+`multi_worker` also runs), and `mirrored_strategy`, which lets several strategies share a process.
 """
 
 from __future__ import annotations
@@ -10,11 +8,9 @@ import tensorflow as tf
 
 
 def mirrored_strategy(devices, cross_device_ops=None) -> tf.distribute.MirroredStrategy:
-    """A `MirroredStrategy` whose collective keys cannot collide with an earlier one's (a second
-    strategy over another device count otherwise fails: "... is joining a group with size 2, but
-    that group has size 4"). It moves the PRIVATE `_collective_key_base`, as TensorFlow's own
-    tests do; the public route is one strategy per process.
-    """
+    """A `MirroredStrategy` whose collective keys cannot collide with an earlier one's ("... is joining
+    a group with size 2, but that group has size 4"), by the PRIVATE `_collective_key_base`, as
+    TensorFlow's own tests do; the public route is one strategy per process."""
     tf.distribute.MirroredStrategy._collective_key_base += 100_000
     return tf.distribute.MirroredStrategy(devices, cross_device_ops=cross_device_ops)
 

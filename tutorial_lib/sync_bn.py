@@ -1,8 +1,5 @@
-"""Synchronized batch norm: normalize with the mean and variance of the global batch.
-
-Each device's (count, mean, centred sum of squares) row is gathered by one all-reduce and the
-rows are merged with Chan, Golub and LeVeque's parallel-variance formula (notebook 04 shows why
-a sum of (n, sum x, sum x^2) loses the variance).
+"""Synchronized batch norm (notebook 04): the global batch's mean and variance from one all-reduce
+of every device's (count, mean, centred sum of squares), merged by Chan et al.'s formula.
 """
 
 from __future__ import annotations
@@ -15,19 +12,9 @@ from . import allreduce, checks
 from .devices import normalize
 
 
-def _axes(x, axis: int):
-    """The axes to reduce over: all but the feature axis."""
-    rank = x.shape.rank
-    if rank is None or not -rank <= axis < rank:
-        raise ValueError(
-            f"axis {axis} does not exist in a tensor of shape {x.shape}; "
-            "use -1 for the features of (batch, ..., features) tensors."
-        )
-    feature = axis % rank
-    return [a for a in range(rank) if a != feature]
-
-
-def _check_floating(x) -> None:
+def _check_tensor(x) -> None:
+    if not x.shape.rank:
+        raise ValueError(f"batch norm needs tensors of shape (batch, ..., features), got shape {x.shape}.")
     if not x.dtype.is_floating:
         raise TypeError(
             f"batch norm normalizes floating-point tensors, got {x.dtype.name}; "
@@ -35,34 +22,25 @@ def _check_floating(x) -> None:
         )
 
 
-def local_moments(x, axis: int = -1):
-    """[count, mean (C), centred sum of squares (C)] of one device's batch, in float64.
-
-    An empty batch gives zeros: it contributes nothing to the global statistics.
-    """
-    axes = _axes(x, axis)
+def local_moments(x):
+    """[count, mean (C), centred sum of squares (C)] of one device's batch over all but the last
+    axis, in float64; an empty batch gives zeros (it contributes nothing)."""
+    axes = list(range(x.shape.rank - 1))
     x64 = tf.cast(x, tf.float64)
     count = tf.cast(tf.reduce_prod([tf.shape(x)[a] for a in axes]), tf.float64)
     mean = tf.math.divide_no_nan(tf.reduce_sum(x64, axes), count)  # 0, not NaN, for an empty batch
-    shape = [-1 if a == axis % x.shape.rank else 1 for a in range(x.shape.rank)]
-    centred = tf.reduce_sum(tf.square(x64 - tf.reshape(mean, shape)), axes)
+    centred = tf.reduce_sum(tf.square(x64 - mean), axes)
     return tf.concat([[count], mean, centred], 0)
 
 
 def _in_slot(row, index, n: int):
-    """`row` as row `index` of an n-row matrix of zeros: summing n of these gathers the rows.
-
-    Adding zeros is exact, so every device receives every row bit for bit, as PyTorch's
-    SyncBatchNorm gathers (mean, inverse std, count): N times the numbers of a plain sum, still
-    few next to the gradients."""
+    """`row` as row `index` of an n-row matrix of zeros: summing n of these gathers the rows,
+    bit for bit (adding zeros is exact), as PyTorch's SyncBatchNorm gathers its statistics."""
     return tf.pad(row[None], [[index, n - 1 - index], [0, 0]])
 
 
 def combine_moments(rows):
-    """(count, mean, variance) of the union of the batches that `rows` describe, in float64.
-
-    `rows` holds one `local_moments` row per device; Chan et al.'s formula merges them exactly.
-    """
+    """(count, mean, variance) in float64 of the union of the batches whose `local_moments` are `rows`."""
     features = (rows.shape[-1] - 1) // 2
     counts, means, centred = rows[:, :1], rows[:, 1 : 1 + features], rows[:, 1 + features :]
     count = tf.reduce_sum(counts)
@@ -71,16 +49,15 @@ def combine_moments(rows):
     return count, mean, tf.math.divide_no_nan(m2, count)
 
 
-def _check_batches(xs, axis: int) -> None:
+def _check_batches(xs) -> None:
     """One feature count, floating dtypes, and at least one example in the global batch."""
     if not xs:
         raise ValueError("global_moments needs one tensor per device, got none.")
     for x in xs:
-        _axes(x, axis)  # a clear error for an axis that does not exist
-        _check_floating(x)
-    features = {x.shape[axis % x.shape.rank] for x in xs}
+        _check_tensor(x)
+    features = {x.shape[-1] for x in xs}
     if len(features) != 1:
-        raise ValueError(f"every device needs the same number of features on axis {axis}, got {sorted(features)}.")
+        raise ValueError(f"every device needs the same number of features, got {sorted(features)}.")
     if all(x.shape.num_elements() == 0 for x in xs):
         raise ValueError(
             "every device's batch is empty: there is nothing to normalize. Give at least one "
@@ -88,51 +65,34 @@ def _check_batches(xs, axis: int) -> None:
         )
 
 
-def _global_statistics(xs, places, axis: int, method: str):
-    """Per device, (count, mean, variance) of the global batch in float64: one all-reduce."""
-    slots = []
-    for i, (x, device) in enumerate(zip(xs, places, strict=True)):
-        with tf.device(device):
-            slots.append(_in_slot(local_moments(x, axis), i, len(xs)))
-    gathered = allreduce.all_reduce(slots, method=method, devices=places)
+def _on_each(devices, fn, *per_device):
+    """[fn(*args) run under devices[i], for args the i-th items of `per_device`]."""
     out = []
-    for rows, device in zip(gathered, places, strict=True):
-        with tf.device(device):
-            out.append(combine_moments(rows))
-    return out
-
-
-def _places(xs, devices) -> list[str]:
-    if devices is None:
-        return [x.device for x in xs]
-    devices = checks.device_list(devices)
-    checks.same_length("tensors", xs, "devices", devices)
-    return [normalize(d) for d in devices]
-
-
-def global_moments(xs, axis: int = -1, devices=None, method: str = "auto"):
-    """Mean and variance of the concatenation of `xs` (one tensor per device), on every device.
-
-    One all-reduce by `method` (see `allreduce.all_reduce`; "auto": NCCL where it can run, else
-    the ring) of the devices' `local_moments` rows; returns one (mean, variance) pair per device,
-    on that device, in the dtype of its input, except float32 for float16 and bfloat16 input
-    (their variance overflows float16 from a spread of about 256). A device may hold an
-    empty batch (it contributes nothing); the global batch may not be empty.
-    """
-    _check_batches(xs, axis)
-    places = _places(xs, devices)
-    stats = _global_statistics(xs, places, axis, method)
-    out = []
-    for x, (_, mean, variance), device in zip(xs, stats, places, strict=True):
+    for device, *args in zip(devices, *per_device, strict=True):
         with tf.device(device):  # without a scope, eager ops run on the first device
-            dtype = _result_dtype(x.dtype)
-            out.append((tf.cast(mean, dtype), tf.cast(variance, dtype)))
+            out.append(fn(*args))
     return out
 
 
-def _result_dtype(dtype):
-    """float32 for 16-bit input: a variance of spread 300 (90,000) is past float16's largest value (65,504)."""
-    return dtype if dtype in (tf.float32, tf.float64) else tf.float32
+def _global_statistics(xs, places, method: str):
+    """Per device, (count, mean, variance) of the global batch in float64: one all-reduce."""
+    slots = _on_each(places, lambda i, x: _in_slot(local_moments(x), i, len(xs)), range(len(xs)), xs)
+    return _on_each(places, combine_moments, allreduce.all_reduce(slots, method=method, devices=places))
+
+
+def global_moments(xs, method: str = "auto"):
+    """One (mean, variance) pair of the concatenation of `xs` (one tensor per device, each on its
+    device) per device, by one all-reduce by `method` (see `allreduce.all_reduce`), in the input's
+    dtype (float32 for 16-bit input). A device's batch may be empty; the global batch may not."""
+    _check_batches(xs)
+    places = [x.device for x in xs]
+
+    def pair(x, stats):
+        # float32 for 16-bit input: a variance of spread 300 (90,000) is past float16's largest value (65,504)
+        dtype = x.dtype if x.dtype in (tf.float32, tf.float64) else tf.float32
+        return tf.cast(stats[1], dtype), tf.cast(stats[2], dtype)
+
+    return _on_each(places, pair, xs, _global_statistics(xs, places, method))
 
 
 def _is_real(value) -> bool:
@@ -154,17 +114,10 @@ def _check_hyperparameters(momentum, epsilon) -> None:
 
 
 class SyncBatchNorm(tf.Module):
-    """Batch norm over the global batch, for hand-built towers and for `MirroredStrategy`.
-
-    - `towers(xs, devices, training)`: a list of per-device tensors in, a list out.
-    - `__call__(x, training)`: one tensor, inside `strategy.run` (the statistics are
-      all-reduced through the replica context) or on a single device.
-    With `synchronized=False` each device uses its own batch's statistics (plain BN per
-    device), for comparison. In training the moving statistics are updated once per step
-    with the global statistics, so they are the same on every device. Any floating input
-    dtype works: statistics in float64, normalization in float32 (float64 for float64
-    input), output in the input's dtype. A device with an empty batch contributes nothing.
-    """
+    """Batch norm over the global batch: `towers(xs, devices, training)` for hand-built towers,
+    `__call__(x, training)` inside `strategy.run` or on one device. `synchronized=False`: each
+    device normalizes with its own batch's statistics, for comparison. The moving statistics are
+    updated once per step, the same on every device."""
 
     def __init__(
         self, num_features: int, momentum: float = 0.9, epsilon: float = 1e-3, synchronized: bool = True, name=None
@@ -186,7 +139,7 @@ class SyncBatchNorm(tf.Module):
         return (self.gamma, self.beta)
 
     def _check_input(self, x) -> None:
-        _check_floating(x)
+        _check_tensor(x)
         features = x.shape[-1] if x.shape.rank else None
         if features is not None and features != self.num_features:
             raise ValueError(
@@ -229,29 +182,19 @@ class SyncBatchNorm(tf.Module):
         for x in xs:
             self._check_input(x)
         if not training:
-            return self._per_device(xs, devices, [(self.moving_mean, self.moving_variance)] * len(xs))
-        _check_batches(xs, -1)
+            return _on_each(devices, lambda x: self._normalize(x, self.moving_mean, self.moving_variance), xs)
+        _check_batches(xs)
         if self.synchronized:
-            stats = _global_statistics(xs, devices, -1, method)
+            stats = _global_statistics(xs, devices, method)
         else:
-            stats = []
-            for x, device in zip(xs, devices, strict=True):
-                with tf.device(device):
-                    stats.append(combine_moments(local_moments(x)[None]))
-        out = self._per_device(xs, devices, [(mean, variance) for _, mean, variance in stats])
+            stats = _on_each(devices, lambda x: combine_moments(local_moments(x)[None]), xs)
+        out = _on_each(devices, lambda x, s: self._normalize(x, s[1], s[2]), xs, stats)
         # Moving statistics, once per step: the count-weighted average of the devices' pairs. Synchronized,
         # every pair is the global one; per device, it is the global mean and the mean within-device variance.
         count = tf.add_n([n for n, _, _ in stats])
         mean = tf.math.divide_no_nan(tf.add_n([n * m for n, m, _ in stats]), count)
         variance = tf.math.divide_no_nan(tf.add_n([n * v for n, _, v in stats]), count)
         self._update_moving(count, mean, variance)
-        return out
-
-    def _per_device(self, xs, devices, stats):
-        out = []
-        for x, (mean, variance), device in zip(xs, stats, devices, strict=True):
-            with tf.device(device):
-                out.append(self._normalize(x, mean, variance))
         return out
 
     def __call__(self, x, training: bool):
