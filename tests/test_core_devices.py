@@ -72,7 +72,7 @@ def test_more_devices_than_cores_warns_what_the_timings_then_mean():
 
 def test_plan_for_core_devices_says_its_model():
     layout = devices.plan(2, kind="cores", physical_gpus=8)  # core devices even where GPUs exist
-    assert (layout.device_type, layout.simulated, layout.model, layout.nccl_ok) == ("CPU", True, "cores", False)
+    assert (layout.device_type, layout.model, layout.nccl_ok) == ("CPU", "cores", False)
     assert "one process per core" in str(layout)
 
 

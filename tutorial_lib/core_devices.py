@@ -1,10 +1,6 @@
-"""Core devices: one TensorFlow server process per device, each pinned to its own CPU core.
-
-A core device (`core_worker`) has its own core and memory, so transfers cost real time, as
-between GPUs. `devices.simulate(n, kind="cores")` calls `start`: spawn the workers (they die
-with this process), wait for their READY lines, connect to them as a cluster client under a
-job of its own, and watch them: a frozen worker is killed and a dead one reported by name, so
-that no op waits on it forever.
+"""Core devices: one TensorFlow server process (`core_worker`) per device, each pinned to its own
+CPU core, started by `devices.simulate(n, kind="cores")` and watched so that no op waits forever
+on a frozen or dead worker.
 """
 
 from __future__ import annotations
@@ -32,8 +28,7 @@ RESTART = "restart the kernel (Kernel > Restart) and call simulate again to star
 
 @dataclass(frozen=True)
 class Worker:
-    """One started core device: its task index, core, address, log file and process, and the
-    address of its profiler server (which `timeline.trace` asks for the ops it ran)."""
+    """One started core device; `profiler` is the address `timeline.trace` asks for the ops it ran."""
 
     task: int
     core: int
@@ -147,16 +142,8 @@ def _report_exits(watched: list[Worker]) -> None:
 
 
 def _worker_command(task: int, core: int, addresses: list[str]) -> list[str]:
-    return [
-        sys.executable,
-        core_worker.__file__,
-        "--task",
-        str(task),
-        "--core",
-        str(core),
-        "--cluster",
-        ",".join(addresses),
-    ]
+    flags = f"--task {task} --core {core} --cluster {','.join(addresses)}"
+    return [sys.executable, core_worker.__file__, *flags.split()]
 
 
 def _spawn(task: int, core: int, addresses: list[str], profiler: str, log_dir: Path) -> Worker:

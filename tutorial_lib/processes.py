@@ -1,10 +1,7 @@
-"""Child processes that die with the process that started them, however it ends.
-
-Three layers, since no single one covers every ending: on Linux each child asks for SIGKILL
-when its parent dies (`PR_SET_PDEATHSIG`, which covers a SIGKILL of the parent); `atexit`
-stops the children at a normal exit; elsewhere SIGTERM and SIGHUP stop them first. Each child
-runs in a session of its own, so a Ctrl-C in the notebook does not reach it and `stop` can
-signal its whole process group.
+"""Child processes that die with the process that started them, however it ends: on Linux by
+`PR_SET_PDEATHSIG` (even when the parent is killed), at a normal exit by `atexit`, elsewhere on
+SIGTERM and SIGHUP. Each child has a session of its own: a Ctrl-C in the notebook does not reach
+it, and `stop` signals its whole process group.
 """
 
 from __future__ import annotations
@@ -45,12 +42,12 @@ def _die_with(parent: int):
     return preexec
 
 
-def spawn(command, *, env=None, stdout=None, stderr=None, cwd=None) -> subprocess.Popen:
+def spawn(command, *, env=None, stdout=None, stderr=None) -> subprocess.Popen:
     """Start `command` (a list) as a child that is stopped when this process ends."""
     _install_handlers()
     preexec = _die_with(os.getpid()) if sys.platform.startswith("linux") else None
     process = subprocess.Popen(
-        command, env=env, stdout=stdout, stderr=stderr, cwd=cwd, start_new_session=True, preexec_fn=preexec
+        command, env=env, stdout=stdout, stderr=stderr, start_new_session=True, preexec_fn=preexec
     )
     with _lock:
         _children[:] = [p for p in _children if p.poll() is None]
@@ -81,14 +78,10 @@ def log_tail(path, lines: int = 15) -> str:
     return "\n".join(kept[-lines:])
 
 
-def running_children() -> list[subprocess.Popen]:
-    """The children started with `spawn` that are still running."""
-    with _lock:
-        return [p for p in _children if p.poll() is None]
-
-
 def _stop_all() -> None:
-    stop(running_children(), grace=2.0)
+    with _lock:
+        children = list(_children)
+    stop(children, grace=2.0)
 
 
 def _exit_on_signal(signum, _frame) -> None:
