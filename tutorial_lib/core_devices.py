@@ -40,8 +40,8 @@ class Worker:
     def ready(self) -> bool:
         return self.log.exists() and core_worker.READY in self.log.read_text(errors="replace")
 
-    def tail(self, lines: int = 15) -> str:
-        return processes.log_tail(self.log, lines) or "(empty)"
+    def tail(self) -> str:
+        return processes.log_tail(self.log) or "(empty)"
 
     def describe(self) -> str:
         return f"core device {self.task} (pid {self.process.pid}, core {self.core})"
