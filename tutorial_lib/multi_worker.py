@@ -19,13 +19,13 @@ HIDDEN, LEARNING_RATE = (64,), 0.5
 COLLECTIVE_TIMEOUT_S = 15.0  # how long a worker waits for a dead peer before failing (the fault drill)
 
 
-def shard_dataset(worker: int, workers: int, batch: int):
+def shard_dataset(worker: int, workers: int, batch: int, seed: int = 0):
     """Worker `worker`'s endless stream of batches: every workers-th digit, in a fixed order."""
     import tensorflow as tf
 
     from . import data
 
-    (x, y), _ = data.load_digits()
+    (x, y), _ = data.load_digits(seed=seed)
     return tf.data.Dataset.from_tensor_slices((x, y)).shard(workers, worker).repeat().batch(batch, drop_remainder=True)
 
 
