@@ -55,13 +55,6 @@ def device_name(task: int) -> str:
     return f"/job:worker/replica:0/task:{task}/device:CPU:0"
 
 
-def available_cores() -> list[int]:
-    """The CPU cores this process may run on (all of them where that cannot be asked)."""
-    if hasattr(os, "sched_getaffinity"):
-        return sorted(os.sched_getaffinity(0))
-    return list(range(os.cpu_count() or 1))
-
-
 def cores_for(n: int, available) -> list[int]:
     """The core of each of n devices: one each while there are enough, then shared, with a warning."""
     available = sorted(available)
@@ -77,7 +70,8 @@ def cores_for(n: int, available) -> list[int]:
 
 def start(n: int, timeout: float | None = None) -> list[str]:
     """Start n core devices, connect this process to them and return their names."""
-    cores = cores_for(n, available_cores())
+    # The cores this process may run on (all of them where that cannot be asked).
+    cores = cores_for(n, os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1))
     ports = free_ports(2 * n)  # a server port and a profiler port for each worker, all distinct
     addresses = [f"localhost:{port}" for port in ports[:n]]
     profilers = [f"localhost:{port}" for port in ports[n:]]
@@ -107,23 +101,15 @@ def start(n: int, timeout: float | None = None) -> list[str]:
     return [device_name(task) for task in range(n)]
 
 
-def dead_workers() -> list[tuple[Worker, str]]:
-    """The workers that stopped serving, each with what happened to it."""
-    dead = []
+def check_workers() -> None:
+    """Raise a RuntimeError naming every core device whose worker is gone, and what to do."""
     for worker in workers:
         if worker.log.with_suffix(".frozen").exists():  # killed: its sockets close before it is reaped
             worker.process.wait(timeout=10)
-        if worker.process.poll() is not None:
-            dead.append((worker, _fault(worker)))
-    return dead
-
-
-def check_workers() -> None:
-    """Raise a RuntimeError naming every core device whose worker is gone, and what to do."""
-    dead = dead_workers()
+    dead = [w for w in workers if w.process.poll() is not None]
     if dead:
-        said = "; ".join(f"{w.describe()} {what}" for w, what in dead)
-        raise RuntimeError(f"{said}. Its ops can no longer run: {RESTART}. Log: {dead[0][0].log}")
+        said = "; ".join(f"{w.describe()} {_fault(w)}" for w in dead)
+        raise RuntimeError(f"{said}. Its ops can no longer run: {RESTART}. Log: {dead[0].log}")
 
 
 def _fault(worker: Worker) -> str:
