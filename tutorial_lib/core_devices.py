@@ -68,7 +68,7 @@ def cores_for(n: int, available) -> list[int]:
     return [available[k % len(available)] for k in range(n)]
 
 
-def start(n: int, timeout: float | None = None) -> list[str]:
+def start(n: int) -> list[str]:
     """Start n core devices, connect this process to them and return their names."""
     # The cores this process may run on (all of them where that cannot be asked).
     cores = cores_for(n, os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1))
@@ -82,7 +82,7 @@ def start(n: int, timeout: float | None = None) -> list[str]:
     try:
         import tensorflow as tf  # imported here while the workers start
 
-        _wait_until_ready(started, START_TIMEOUT_S if timeout is None else timeout)
+        _wait_until_ready(started, START_TIMEOUT_S)
         # Read by TensorFlow at each remote call: fail at once when a worker is unreachable
         # instead of waiting for it, and send ops as single calls (that honour fail-fast), not
         # on the stream that `tf.experimental.async_scope` turns on (it waits for a dead worker).

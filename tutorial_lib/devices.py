@@ -85,7 +85,8 @@ def simulate(n: int, kind: str = "auto") -> list[str]:
     """Provide n devices and return their full names, e.g. '/device:CPU:0'. Call it first, before any
     other TensorFlow work; again with the same n and kind, it returns the same devices."""
     global _current
-    kind = _forced(kind)
+    if os.environ.get(ENV_VAR, "").lower() == "cpu" and kind in ("auto", "gpu"):
+        kind = "cpu"  # forced; core devices are CPUs already
     # Core devices need no GPU count: their workers start before TensorFlow is imported here.
     layout = plan(n, kind) if kind == "cores" else plan(n, kind, _physical_gpus())
     if _current is not None:
@@ -105,13 +106,6 @@ def simulate(n: int, kind: str = "auto") -> list[str]:
 def current() -> Layout | None:
     """The layout chosen by `simulate` in this process (its `model` says how), or None before it was called."""
     return _current
-
-
-def _forced(kind: str) -> str:
-    """The kind to use: TUTORIAL_DEVICE=cpu turns 'auto' and 'gpu' into 'cpu'; core devices are CPUs already."""
-    if os.environ.get(ENV_VAR, "").lower() == "cpu" and kind in ("auto", "gpu"):
-        return "cpu"
-    return kind
 
 
 def _physical_gpus() -> int:
