@@ -99,15 +99,11 @@ def train(args) -> int:
     if latest:
         checkpoint.restore(latest)
     start = int(step.numpy())
-    print(
-        f"worker {me}/{workers}: {'resumed from checkpoint at step ' + str(start) if latest else 'fresh start'}",
-        flush=True,
-    )
+    began = f"resumed from checkpoint at step {start}" if latest else "fresh start"
+    print(f"worker {me}/{workers}: {began}", flush=True)
     if start >= args.steps:
-        print(
-            f"worker {me}: the job is complete (checkpoint at step {start}, --steps {args.steps}); nothing to do",
-            flush=True,
-        )
+        done = f"the job is complete (checkpoint at step {start}, --steps {args.steps}); nothing to do"
+        print(f"worker {me}: {done}", flush=True)
         return 0
 
     def dataset_fn(context):

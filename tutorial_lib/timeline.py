@@ -253,25 +253,28 @@ def span(events) -> float:
     return max(e.end for e in events) - min(e.start for e in events) if events else 0.0
 
 
+def _busy_ms(events) -> float:
+    """Milliseconds during which at least one of `events` ran."""
+    return sum(b - a for a, b in merged((e.start, e.end) for e in events))
+
+
+def _lanes(events, devices) -> list[str]:
+    return [normalize(d) for d in devices] if devices else sorted({e.device for e in events})
+
+
 def busy_fraction(events, devices=None) -> dict[str, float]:
     """For each device, the share of the span during which at least one of its ops ran."""
     if not events:
         raise ValueError("no events: was anything traced? trace() returns [] when no op ran.")
-    devices = [normalize(d) for d in devices] if devices else sorted({e.device for e in events})
-    total = span(events)
-    return {
-        d: sum(b - a for a, b in merged((e.start, e.end) for e in events if e.device == d)) / total for d in devices
-    }
+    return {d: _busy_ms(e for e in events if e.device == d) / span(events) for d in _lanes(events, devices)}
 
 
 def phase_time(events) -> dict[str, dict[str, float]]:
-    """Milliseconds each device spent in each phase (forward, backward, update, other)."""
-    table: dict[str, dict[str, float]] = {}
-    for device in sorted({e.device for e in events}):
-        for phase in PHASE_COLORS:
-            spans = [(e.start, e.end) for e in events if e.device == device and e.phase == phase]
-            table.setdefault(device, {})[phase] = sum(b - a for a, b in merged(spans))
-    return table
+    """Milliseconds each device spent in each phase (forward, backward, reduce, update, other)."""
+    return {
+        d: {p: _busy_ms(e for e in events if e.device == d and e.phase == p) for p in PHASE_COLORS}
+        for d in _lanes(events, None)
+    }
 
 
 def mean_busy_devices(events) -> float:
@@ -286,7 +289,7 @@ def plot(events, devices=None, title="Per-device timeline", ax=None):
 
     if not events:
         raise ValueError("no events to plot.")
-    devices = [normalize(d) for d in devices] if devices else sorted({e.device for e in events})
+    devices = _lanes(events, devices)
     if ax is None:
         _, ax = plt.subplots(figsize=(9, 0.6 * len(devices) + 1.4), layout="constrained")
     for lane, device in enumerate(devices):
@@ -295,14 +298,7 @@ def plot(events, devices=None, title="Per-device timeline", ax=None):
             ax.broken_barh(bars, (lane - 0.4, 0.8), color=color)
     ax.set_yticks(range(len(devices)), devices)
     ax.invert_yaxis()
-    ax.set_xlabel("time (ms)")
-    ax.set_ylabel("device")
-    ax.set_title(title)
-    used = {e.phase for e in events}
-    ax.legend(
-        handles=[Patch(color=c, label=p) for p, c in PHASE_COLORS.items() if p in used],
-        loc="upper left",
-        bbox_to_anchor=(1.01, 1),
-        fontsize="small",
-    )
+    ax.set(xlabel="time (ms)", ylabel="device", title=title)
+    handles = [Patch(color=c, label=p) for p, c in PHASE_COLORS.items() if p in {e.phase for e in events}]
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1), fontsize="small")
     return ax
