@@ -5,6 +5,7 @@ after the `with` block and go with the `Cluster` object (or, left by a killed ke
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -76,10 +77,8 @@ def sweep_logs() -> None:
 def _remove_log_dir(folder: Path) -> None:
     """Remove a cluster's log folder, and `log_root()` with it once no other cluster's is left."""
     shutil.rmtree(folder, ignore_errors=True)
-    try:
-        folder.parent.rmdir()  # fails while another cluster's folder is in it: then it stays
-    except OSError:
-        pass
+    with contextlib.suppress(OSError):  # while another cluster's folder is in it, it stays
+        folder.parent.rmdir()
 
 
 def new_log_dir() -> Path:

@@ -7,7 +7,9 @@ it, and `stop` signals its whole process group.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ctypes
+import functools
 import os
 import re
 import signal
@@ -24,7 +26,6 @@ STARTUP_NOISE = re.compile(r"^(I\d{4} \d\d:\d\d:|WARNING: All log messages befor
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 _children: list[subprocess.Popen] = []
 _lock = threading.Lock()
-_handlers_installed = False
 
 
 def _die_with(parent: int):
@@ -61,10 +62,8 @@ def stop(processes, grace: float = 5.0) -> None:
     for sig in (signal.SIGTERM, signal.SIGKILL):
         alive = [p for p in processes if p.poll() is None]
         for p in alive:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(p.pid, sig)
-            except ProcessLookupError:
-                pass
         end = time.monotonic() + grace
         while any(p.poll() is None for p in alive) and time.monotonic() < end:
             time.sleep(0.05)
@@ -90,11 +89,8 @@ def _exit_on_signal(signum, _frame) -> None:
     os.kill(os.getpid(), signum)  # end as the signal would have ended us
 
 
+@functools.cache  # once per process
 def _install_handlers() -> None:
-    global _handlers_installed
-    if _handlers_installed:
-        return
-    _handlers_installed = True
     atexit.register(_stop_all)
     # On Linux PR_SET_PDEATHSIG already stops the children when a signal ends this process.
     if sys.platform.startswith("linux") or threading.current_thread() is not threading.main_thread():
