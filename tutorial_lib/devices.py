@@ -13,11 +13,8 @@ from . import checks, core_devices, stop_filtering_stderr
 
 ENV_VAR = "TUTORIAL_DEVICE"
 KINDS = ("auto", "cpu", "gpu", "cores")
-MODELS = {  # how the devices are made, as `Layout.model` names it
-    "logical": "logical devices in this process",
-    "cores": "one process per core",
-    "real": "physical devices",
-}
+# How the devices are made, as `Layout.model` names it.
+MODELS = {"logical": "logical devices in this process", "cores": "one process per core", "real": "physical devices"}
 GPU_MEMORY_MB = 2048  # per logical GPU when one GPU is split
 LOCAL_JOB = core_devices.LOCAL_JOB  # the job of this process's own devices
 
