@@ -35,7 +35,8 @@ def test_free_ports_are_distinct_and_bindable():
     ports = cluster.free_ports(4)
     assert len(set(ports)) == 4
     for port in ports:
-        assert cluster.port_is_free(port)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))
 
 
 def test_tf_config_names_every_worker_and_this_task():
@@ -79,14 +80,6 @@ def test_a_hung_worker_times_out_with_a_clear_error(tmp_path):
     assert c.running() == [] and _gone(c)
 
 
-def test_kill_stops_one_worker_like_a_crash(tmp_path):
-    script = _script(tmp_path, "time.sleep(60)\n")
-    with cluster.Cluster(script, 2) as c:
-        c.kill(0)
-        assert c.running() == [1]
-    assert c.running() == [] and _gone(c)
-
-
 def test_bad_input(tmp_path):
     script = _script(tmp_path, "pass\n")
     with pytest.raises(ValueError, match="workers must be a whole number >= 1, got 0"):
@@ -97,17 +90,6 @@ def test_bad_input(tmp_path):
         cluster.Cluster(script, 2, args="--steps 4")
     with pytest.raises(FileNotFoundError, match="no training script"):
         cluster.Cluster(tmp_path / "missing.py", 2)
-    with socket.socket() as held:
-        held.bind(("127.0.0.1", 0))
-        held.listen()
-        busy = held.getsockname()[1]
-        with pytest.raises(cluster.ClusterError, match=f"port.*{busy}.*already in use"):
-            cluster.Cluster(script, 2, ports=[busy, cluster.free_ports(1)[0]])
-    with pytest.raises(ValueError, match="2 workers but 1 ports: .* pass one port per worker"):
-        cluster.Cluster(script, 2, ports=[1234])
-    port = cluster.free_ports(1)[0]
-    with pytest.raises(ValueError, match="repeat a port: each worker needs a port of its own"):
-        cluster.Cluster(script, 2, ports=[port, port])
 
 
 def test_a_numpy_worker_count_is_accepted(tmp_path):

@@ -72,7 +72,7 @@ def test_more_devices_than_cores_warns_what_the_timings_then_mean():
 
 def test_plan_for_core_devices_says_its_model():
     layout = devices.plan(2, kind="cores", physical_gpus=8)  # core devices even where GPUs exist
-    assert (layout.device_type, layout.simulated, layout.model, layout.nccl_ok) == ("CPU", True, "cores", False)
+    assert (layout.device_type, layout.model, layout.nccl_ok) == ("CPU", "cores", False)
     assert "one process per core" in str(layout)
 
 
@@ -235,8 +235,9 @@ def test_a_worker_whose_port_is_taken_is_a_clear_error_and_the_others_are_stoppe
 @linux_only
 def test_workers_that_never_get_ready_are_a_clear_error_and_are_stopped(monkeypatch, spawned):
     monkeypatch.setattr(core_devices, "_worker_command", lambda *_: SLEEPER)
+    monkeypatch.setattr(core_devices, "START_TIMEOUT_S", 1.0)
     with pytest.raises(RuntimeError, match=r"(?s)core device\(s\) \[0, 1\] not ready after 1 s.*START_TIMEOUT_S"):
-        core_devices.start(2, timeout=1.0)
+        core_devices.start(2)
     assert [p.poll() is not None for p in spawned] == [True, True]
     assert core_devices.workers == []
 

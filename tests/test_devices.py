@@ -83,20 +83,20 @@ def test_plan_rejects_unknown_kind():
 
 def test_plan_without_gpu_simulates_cpus():
     layout = devices.plan(4, physical_gpus=0)
-    assert (layout.device_type, layout.simulated, layout.nccl_ok, layout.model) == ("CPU", True, False, "logical")
+    assert (layout.device_type, layout.nccl_ok, layout.model) == ("CPU", False, "logical")
     assert "logical devices in this process" in str(layout)
 
 
 def test_plan_splits_one_gpu_and_marks_nccl_unusable():
     layout = devices.plan(4, physical_gpus=1)
-    assert (layout.device_type, layout.simulated, layout.nccl_ok, layout.model) == ("GPU", True, False, "logical")
+    assert (layout.device_type, layout.nccl_ok, layout.model) == ("GPU", False, "logical")
     assert "Duplicate GPU" in layout.reason
 
 
 def test_plan_uses_real_gpus_when_there_are_enough():
     for gpus in (2, 8):
         layout = devices.plan(2, physical_gpus=gpus)
-        assert (layout.device_type, layout.simulated, layout.nccl_ok, layout.model) == ("GPU", False, True, "real")
+        assert (layout.device_type, layout.nccl_ok, layout.model) == ("GPU", True, "real")
         assert layout.per_gpu == ()
 
 
@@ -112,23 +112,13 @@ def test_plan_carves_one_gpu_into_n():
 def test_plan_spreads_over_every_gpu_when_there_are_too_few(n, gpus, per_gpu):
     """The asker's machine: 4 devices on 2 GPUs use both GPUs, not GPU 0 alone."""
     layout = devices.plan(n, physical_gpus=gpus)
-    assert (layout.device_type, layout.simulated, layout.nccl_ok, layout.model) == ("GPU", True, False, "logical")
+    assert (layout.device_type, layout.nccl_ok, layout.model) == ("GPU", False, "logical")
     assert layout.per_gpu == per_gpu and sum(layout.per_gpu) == n
     # what was chosen, why NCCL is off, and what to ask for instead
     assert f"spread over the {gpus} GPUs ({' + '.join(map(str, per_gpu))})" in layout.reason
     assert "Duplicate GPU detected" in layout.reason and "may hang" in layout.reason
     assert f"call simulate({gpus}) instead" in layout.reason
     assert layout.reason in str(layout)
-
-
-@pytest.mark.parametrize("n, gpus, expected", [(4, 2, [2, 2]), (5, 2, [3, 2]), (3, 3, [1, 1, 1]), (2, 4, [1, 1, 0, 0])])
-def test_split_over_gpus(n, gpus, expected):
-    assert devices.split_over_gpus(n, gpus) == expected
-
-
-def test_split_over_gpus_rejects_bad_counts():
-    with pytest.raises(ValueError, match="number of physical GPUs"):
-        devices.split_over_gpus(4, 0)
 
 
 class _FakeConfig:
@@ -157,7 +147,7 @@ def test_configure_makes_the_planned_logical_gpus(gpus, n):
     config = _FakeConfig(gpus)
     layout = devices.plan(n, physical_gpus=gpus)
     devices._configure(types.SimpleNamespace(config=config), layout)
-    if not layout.simulated:
+    if layout.model == "real":
         assert config.visible == config.gpus[:n] and config.logical == {}
     else:
         assert config.visible == config.gpus  # every GPU is used

@@ -1,17 +1,14 @@
-"""A local multi-worker cluster: N worker processes on loopback, configured by `TF_CONFIG`.
-
-`Cluster(script, n)` starts one process per worker with its own `TF_CONFIG` and log file,
-waits with a timeout, and stops every process it started however the cell ends. Logs stay
-readable after the `with` block; their folder goes with the `Cluster` object, and folders
-left by a killed process go with the next `Cluster` created.
+"""A local multi-worker cluster: `Cluster(script, n)` runs n worker processes on loopback, each with
+its `TF_CONFIG` and log file, and stops them all however the cell ends. The logs stay readable
+after the `with` block and go with the `Cluster` object (or, left by a killed kernel, with the next).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -42,34 +39,11 @@ def free_ports(n: int) -> list[int]:
             s.close()
 
 
-def port_is_free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
 def tf_config(ports, index: int) -> dict:
     """The `TF_CONFIG` of worker `index` in a cluster of workers on the given loopback ports."""
     if not 0 <= index < len(ports):
         raise ValueError(f"worker index {index} is outside a cluster of {len(ports)} workers.")
     return {"cluster": {"worker": [f"localhost:{p}" for p in ports]}, "task": {"type": "worker", "index": index}}
-
-
-def _checked_ports(ports, workers: int) -> list[int]:
-    """The ports asked for, one per worker, distinct and free."""
-    ports = list(ports)
-    checks.same_length("workers", range(workers), "ports", ports)
-    if len(set(ports)) != len(ports):
-        raise ValueError(f"ports {ports} repeat a port: each worker needs a port of its own.")
-    busy = [p for p in ports if not port_is_free(p)]
-    if busy:
-        raise ClusterError(
-            f"port(s) {busy} already in use on 127.0.0.1: stop what holds them, or leave ports=None to pick free ones."
-        )
-    return ports
 
 
 def log_root() -> Path:
@@ -100,13 +74,11 @@ def sweep_logs() -> None:
                 shutil.rmtree(folder, ignore_errors=True)
 
 
-def remove_log_dir(folder: Path) -> None:
+def _remove_log_dir(folder: Path) -> None:
     """Remove a cluster's log folder, and `log_root()` with it once no other cluster's is left."""
     shutil.rmtree(folder, ignore_errors=True)
-    try:
-        folder.parent.rmdir()  # fails while another cluster's folder is in it: then it stays
-    except OSError:
-        pass
+    with contextlib.suppress(OSError):  # while another cluster's folder is in it, it stays
+        folder.parent.rmdir()
 
 
 def new_log_dir() -> Path:
@@ -119,7 +91,7 @@ def new_log_dir() -> Path:
 class Cluster:
     """Start `script` (a .py file, or ['-m', 'module']) once per worker; stop them all on exit."""
 
-    def __init__(self, script, workers: int, args=(), ports=None, env=None, log_dir=None):
+    def __init__(self, script, workers: int, args=(), env=None):
         workers = checks.whole_number(workers, "workers")
         command = list(script) if isinstance(script, (list, tuple)) else [str(script)]
         if command[0] != "-m" and not Path(command[0]).is_file():
@@ -128,14 +100,10 @@ class Cluster:
             raise TypeError(f"args must be a list of arguments, got the string {args!r}; write {args.split()!r}.")
         self.command = [sys.executable, *command, *map(str, args)]
         self.workers = workers
-        self.ports = free_ports(workers) if ports is None else _checked_ports(ports, workers)
+        self.ports = free_ports(workers)
         self.env = {**os.environ, **(env or {})}
-        if log_dir is None:  # ours: removed with this object (see the module's docstring)
-            self.log_dir = new_log_dir()
-            weakref.finalize(self, remove_log_dir, self.log_dir)
-        else:  # the caller's: kept
-            self.log_dir = Path(log_dir)
-            self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.log_dir = new_log_dir()
+        weakref.finalize(self, _remove_log_dir, self.log_dir)  # removed with this object
         self.processes: list[subprocess.Popen] = []
 
     def __enter__(self):
@@ -151,9 +119,9 @@ class Cluster:
         path = self.log_path(index)
         return path.read_text(errors="replace") if path.exists() else ""
 
-    def tail(self, index: int, lines: int = 15) -> str:
+    def tail(self, index: int) -> str:
         """The last lines of a worker's log, without TensorFlow's start-up INFO lines."""
-        return processes.log_tail(self.log_path(index), lines)
+        return processes.log_tail(self.log_path(index))
 
     def start(self):
         """Start every worker (again, after `stop` or `wait`: the logs then start afresh)."""
@@ -166,16 +134,22 @@ class Cluster:
                 self.processes.append(processes.spawn(self.command, env=env, stdout=log, stderr=subprocess.STDOUT))
         return self
 
-    def wait(self, timeout: float = 120.0, check: bool = True) -> list[int]:
-        """Wait for every worker; return their exit codes. Stops them all on timeout or failure."""
+    def wait(self, timeout: float = 120.0) -> list[int]:
+        """Wait for every worker; return their exit codes (all 0). Stops them all on timeout or failure."""
         deadline = time.monotonic() + timeout
         try:
-            while any(p.poll() is None for p in self.processes):
-                failed = [i for i, p in enumerate(self.processes) if p.poll() not in (None, 0)]
-                if check and failed:
-                    raise self._failure(failed[0])
+            while True:
+                codes = [p.poll() for p in self.processes]
+                failed = [i for i, code in enumerate(codes) if code not in (None, 0)]
+                if failed:
+                    raise ClusterError(
+                        f"worker {failed[0]} exited with status {codes[failed[0]]}; stopped the others. "
+                        f"Log tail of worker {failed[0]}:\n{self.tail(failed[0])}"
+                    )
+                if None not in codes:
+                    return codes
                 if time.monotonic() > deadline:
-                    hung = [i for i, p in enumerate(self.processes) if p.poll() is None]
+                    hung = [i for i, code in enumerate(codes) if code is None]
                     raise ClusterError(
                         f"worker(s) {hung} still running after {timeout:.0f} s; stopped them all. "
                         f"Log tail of worker {hung[0]}:\n{self.tail(hung[0])}"
@@ -184,26 +158,6 @@ class Cluster:
         except BaseException:  # a failure, a timeout, or Ctrl-C / Kernel > Interrupt
             self.stop()
             raise
-        codes = [p.returncode for p in self.processes]
-        failed = [i for i, c in enumerate(codes) if c != 0]
-        if check and failed:
-            raise self._failure(failed[0])
-        return codes
-
-    def _failure(self, index: int) -> ClusterError:
-        code = self.processes[index].poll()
-        self.stop()
-        return ClusterError(
-            f"worker {index} exited with status {code}; stopped the others. "
-            f"Log tail of worker {index}:\n{self.tail(index)}"
-        )
-
-    def kill(self, index: int) -> None:
-        """Kill one worker at once (SIGKILL), as a crash would."""
-        process = self.processes[index]
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
 
     def stop(self) -> None:
         """Stop every worker still running: SIGTERM, then SIGKILL after 5 s. Safe to call twice."""

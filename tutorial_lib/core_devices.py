@@ -1,10 +1,6 @@
-"""Core devices: one TensorFlow server process per device, each pinned to its own CPU core.
-
-A core device (`core_worker`) has its own core and memory, so transfers cost real time, as
-between GPUs. `devices.simulate(n, kind="cores")` calls `start`: spawn the workers (they die
-with this process), wait for their READY lines, connect to them as a cluster client under a
-job of its own, and watch them: a frozen worker is killed and a dead one reported by name, so
-that no op waits on it forever.
+"""Core devices: one TensorFlow server process (`core_worker`) per device, each pinned to its own
+CPU core, started by `devices.simulate(n, kind="cores")` and watched so that no op waits forever
+on a frozen or dead worker.
 """
 
 from __future__ import annotations
@@ -32,8 +28,7 @@ RESTART = "restart the kernel (Kernel > Restart) and call simulate again to star
 
 @dataclass(frozen=True)
 class Worker:
-    """One started core device: its task index, core, address, log file and process, and the
-    address of its profiler server (which `timeline.trace` asks for the ops it ran)."""
+    """One started core device; `profiler` is the address `timeline.trace` asks for the ops it ran."""
 
     task: int
     core: int
@@ -45,8 +40,8 @@ class Worker:
     def ready(self) -> bool:
         return self.log.exists() and core_worker.READY in self.log.read_text(errors="replace")
 
-    def tail(self, lines: int = 15) -> str:
-        return processes.log_tail(self.log, lines) or "(empty)"
+    def tail(self) -> str:
+        return processes.log_tail(self.log) or "(empty)"
 
     def describe(self) -> str:
         return f"core device {self.task} (pid {self.process.pid}, core {self.core})"
@@ -58,13 +53,6 @@ workers: list[Worker] = []  # the core devices this process started and is conne
 def device_name(task: int) -> str:
     """The full name of core device `task`, for `tf.device`."""
     return f"/job:worker/replica:0/task:{task}/device:CPU:0"
-
-
-def available_cores() -> list[int]:
-    """The CPU cores this process may run on (all of them where that cannot be asked)."""
-    if hasattr(os, "sched_getaffinity"):
-        return sorted(os.sched_getaffinity(0))
-    return list(range(os.cpu_count() or 1))
 
 
 def cores_for(n: int, available) -> list[int]:
@@ -80,9 +68,10 @@ def cores_for(n: int, available) -> list[int]:
     return [available[k % len(available)] for k in range(n)]
 
 
-def start(n: int, timeout: float | None = None) -> list[str]:
+def start(n: int) -> list[str]:
     """Start n core devices, connect this process to them and return their names."""
-    cores = cores_for(n, available_cores())
+    # The cores this process may run on (all of them where that cannot be asked).
+    cores = cores_for(n, os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1))
     ports = free_ports(2 * n)  # a server port and a profiler port for each worker, all distinct
     addresses = [f"localhost:{port}" for port in ports[:n]]
     profilers = [f"localhost:{port}" for port in ports[n:]]
@@ -93,7 +82,7 @@ def start(n: int, timeout: float | None = None) -> list[str]:
     try:
         import tensorflow as tf  # imported here while the workers start
 
-        _wait_until_ready(started, START_TIMEOUT_S if timeout is None else timeout)
+        _wait_until_ready(started, START_TIMEOUT_S)
         # Read by TensorFlow at each remote call: fail at once when a worker is unreachable
         # instead of waiting for it, and send ops as single calls (that honour fail-fast), not
         # on the stream that `tf.experimental.async_scope` turns on (it waits for a dead worker).
@@ -112,23 +101,15 @@ def start(n: int, timeout: float | None = None) -> list[str]:
     return [device_name(task) for task in range(n)]
 
 
-def dead_workers() -> list[tuple[Worker, str]]:
-    """The workers that stopped serving, each with what happened to it."""
-    dead = []
+def check_workers() -> None:
+    """Raise a RuntimeError naming every core device whose worker is gone, and what to do."""
     for worker in workers:
         if worker.log.with_suffix(".frozen").exists():  # killed: its sockets close before it is reaped
             worker.process.wait(timeout=10)
-        if worker.process.poll() is not None:
-            dead.append((worker, _fault(worker)))
-    return dead
-
-
-def check_workers() -> None:
-    """Raise a RuntimeError naming every core device whose worker is gone, and what to do."""
-    dead = dead_workers()
+    dead = [w for w in workers if w.process.poll() is not None]
     if dead:
-        said = "; ".join(f"{w.describe()} {what}" for w, what in dead)
-        raise RuntimeError(f"{said}. Its ops can no longer run: {RESTART}. Log: {dead[0][0].log}")
+        said = "; ".join(f"{w.describe()} {_fault(w)}" for w in dead)
+        raise RuntimeError(f"{said}. Its ops can no longer run: {RESTART}. Log: {dead[0].log}")
 
 
 def _fault(worker: Worker) -> str:
@@ -147,16 +128,8 @@ def _report_exits(watched: list[Worker]) -> None:
 
 
 def _worker_command(task: int, core: int, addresses: list[str]) -> list[str]:
-    return [
-        sys.executable,
-        core_worker.__file__,
-        "--task",
-        str(task),
-        "--core",
-        str(core),
-        "--cluster",
-        ",".join(addresses),
-    ]
+    flags = f"--task {task} --core {core} --cluster {','.join(addresses)}"
+    return [sys.executable, core_worker.__file__, *flags.split()]
 
 
 def _spawn(task: int, core: int, addresses: list[str], profiler: str, log_dir: Path) -> Worker:

@@ -1,9 +1,5 @@
-"""Get N devices on any machine, and name them the one way TensorFlow always accepts.
-
-`simulate(n, kind)` chooses once per process (notebook 00 explains the models): n logical
-devices of this process (CPUs, or GPUs carved out of fewer real ones), n core devices (one
-pinned server process each, right for speed), or the first n real GPUs. `TUTORIAL_DEVICE=cpu`
-forces CPU simulation. `normalize` gives a device name its canonical form.
+"""Get N devices on any machine (`simulate`, once per process; `TUTORIAL_DEVICE=cpu` forces CPU
+simulation), and name them the one way TensorFlow always accepts (`normalize`).
 """
 
 from __future__ import annotations
@@ -17,11 +13,8 @@ from . import checks, core_devices, stop_filtering_stderr
 
 ENV_VAR = "TUTORIAL_DEVICE"
 KINDS = ("auto", "cpu", "gpu", "cores")
-MODELS = {  # how the devices are made, as `Layout.model` names it
-    "logical": "logical devices in this process",
-    "cores": "one process per core",
-    "real": "physical devices",
-}
+# How the devices are made, as `Layout.model` names it.
+MODELS = {"logical": "logical devices in this process", "cores": "one process per core", "real": "physical devices"}
 GPU_MEMORY_MB = 2048  # per logical GPU when one GPU is split
 LOCAL_JOB = core_devices.LOCAL_JOB  # the job of this process's own devices
 
@@ -40,21 +33,15 @@ class Layout:
     names: tuple[str, ...] = ()
     per_gpu: tuple[int, ...] = ()  # logical GPUs made on each physical GPU (logical GPUs only)
 
-    @property
-    def simulated(self) -> bool:
-        return self.model != "real"
-
     def __str__(self) -> str:
         nccl = "NCCL usable" if self.nccl_ok else "no NCCL"
-        made = "simulated" if self.simulated else "real"
+        made = "real" if self.model == "real" else "simulated"
         return f"{self.n} {made} {self.device_type} device(s) ({MODELS[self.model]}), {nccl}: {self.reason}"
 
 
 def plan(n: int, kind: str = "auto", physical_gpus: int = 0) -> Layout:
-    """Decide, without touching TensorFlow, how to provide n devices.
-
-    Split out of `simulate` so that the GPU branches can be tested on a CPU-only machine.
-    """
+    """Decide, without touching TensorFlow, how to provide n devices (so that the GPU branches can
+    be tested on a CPU-only machine)."""
     n = checks.whole_number(n, "the number of devices n")
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}.")
@@ -70,17 +57,9 @@ def plan(n: int, kind: str = "auto", physical_gpus: int = 0) -> Layout:
         return Layout("CPU", n, False, f"{why}; NCCL needs real GPUs", "logical")
     if physical_gpus >= n:
         return Layout("GPU", n, True, f"{physical_gpus} GPUs found", "real")
-    per_gpu = tuple(split_over_gpus(n, physical_gpus))
+    # As equal as possible, the first GPUs one more: 5 over 2 -> (3, 2), GPU:0 to GPU:2 on the first.
+    per_gpu = tuple(n // physical_gpus + (i < n % physical_gpus) for i in range(physical_gpus))
     return Layout("GPU", n, False, _spread_reason(n, per_gpu), "logical", per_gpu=per_gpu)
-
-
-def split_over_gpus(n: int, gpus: int) -> list[int]:
-    """How many of n logical GPUs each of `gpus` physical GPUs holds: as equal as possible,
-    the first GPUs one more (4 over 2 -> [2, 2]; 5 over 2 -> [3, 2]). TensorFlow numbers
-    logical GPUs in the order of their physical GPUs: GPU:0 and GPU:1 on the first, and so on."""
-    n = checks.whole_number(n, "the number of devices n")
-    gpus = checks.whole_number(gpus, "the number of physical GPUs")
-    return [n // gpus + (1 if i < n % gpus else 0) for i in range(gpus)]
 
 
 def _spread_reason(n: int, per_gpu: tuple[int, ...]) -> str:
@@ -100,15 +79,11 @@ def _spread_reason(n: int, per_gpu: tuple[int, ...]) -> str:
 
 
 def simulate(n: int, kind: str = "auto") -> list[str]:
-    """Provide n devices of one kind and return their full names, e.g. '/device:CPU:0'.
-
-    Call it first, before any other TensorFlow work. Calling it again with the same n and
-    kind returns the same devices; asking for another layout once TensorFlow has started
-    raises a RuntimeError that says to restart the kernel. ``kind="cores"`` starts one
-    worker process per device (names such as '/job:worker/replica:0/task:0/device:CPU:0').
-    """
+    """Provide n devices and return their full names, e.g. '/device:CPU:0'. Call it first, before any
+    other TensorFlow work; again with the same n and kind, it returns the same devices."""
     global _current
-    kind = _forced(kind)
+    if os.environ.get(ENV_VAR, "").lower() == "cpu" and kind in ("auto", "gpu"):
+        kind = "cpu"  # forced; core devices are CPUs already
     # Core devices need no GPU count: their workers start before TensorFlow is imported here.
     layout = plan(n, kind) if kind == "cores" else plan(n, kind, _physical_gpus())
     if _current is not None:
@@ -128,13 +103,6 @@ def simulate(n: int, kind: str = "auto") -> list[str]:
 def current() -> Layout | None:
     """The layout chosen by `simulate` in this process (its `model` says how), or None before it was called."""
     return _current
-
-
-def _forced(kind: str) -> str:
-    """The kind to use: TUTORIAL_DEVICE=cpu turns 'auto' and 'gpu' into 'cpu'; core devices are CPUs already."""
-    if os.environ.get(ENV_VAR, "").lower() == "cpu" and kind in ("auto", "gpu"):
-        return "cpu"
-    return kind
 
 
 def _physical_gpus() -> int:
@@ -198,7 +166,7 @@ def _devices(layout: Layout, started: bool = False) -> str:
 def _announce(layout: Layout) -> None:
     names = layout.names
     shown = ", ".join(names) if len(names) <= 4 else f"{names[0]} ... {names[-1]}"
-    what = {"logical": "logical", "cores": "core", "real": "real"}[layout.model]
+    what = "core" if layout.model == "cores" else layout.model
     print(f"{layout.n} {what} {layout.device_type} device(s) ({layout.reason}{_threads_note(layout)}): {shown}")
 
 
@@ -230,16 +198,9 @@ _KNOWN = {"cpu", "gpu", "tpu", "xla_cpu", "xla_gpu"}
 
 
 def normalize(name: str) -> str:
-    """Return the canonical form of a device name: '/device:GPU:1' for this process's own devices.
-
-    Accepts 'gpu:1', '/gpu:1', 'GPU:1', '/device:GPU:1' and full names such as
-    '/job:localhost/replica:0/task:0/device:GPU:1' (this process: '/device:GPU:1').
-    A device of another process keeps its job, replica and task, so that two core
-    devices stay two: '/job:worker/task:1/cpu:0' gives
-    '/job:worker/replica:0/task:1/device:CPU:0'. Raises ValueError on anything else,
-    with a hint when a full name was pasted into another one (the asker's
-    ``'/gpu:{}'.format(name)`` bug).
-    """
+    """The canonical form of a device name: '/device:GPU:1' from 'gpu:1', '/gpu:1', 'GPU:1' or
+    '/job:localhost/replica:0/task:0/device:GPU:1'. Another process's device keeps its job, replica
+    and task ('/job:worker/replica:0/task:1/device:CPU:0'), so that two core devices stay two."""
     if not isinstance(name, str):
         raise TypeError(f"a device name is a string such as '/device:GPU:0', got {name!r}.")
     match = _NAME.match(name.strip())

@@ -1,8 +1,6 @@
-"""The course's small models: explicit `tf.Variable`s on the device current at creation, seeded
-NumPy initial values, and `training`/`losses` as Keras models have, so every loop runs Keras too.
-
-`MLP` is the NCCL asker's network; `cnn_stages` the pipeline asker's CNN in its three device
-blocks ('SAME' convolutions for small images, no dropout, so that runs compare exactly).
+"""The course's small models (`MLP`, the NCCL asker's; `cnn_stages`, the pipeline asker's CNN):
+explicit, seeded `tf.Variable`s on the device current at creation, and `training`/`losses` as
+Keras models have, so that every loop runs Keras models too.
 """
 
 from __future__ import annotations
@@ -99,11 +97,9 @@ class MLP(Sequential):
         super().__init__(layers, name="mlp")
 
 
-def cnn_stages(input_shape=(8, 8, 1), num_classes: int = 10, seed: int = 0, devices=None):
-    """The pipeline asker's CNN split into its three `tf.device` blocks, as three `Sequential`s.
-
-    With `devices` (three names), stage i and its variables are created on devices[i].
-    """
+def cnn_stages(input_shape=(8, 8, 1), seed: int = 0, devices=None):
+    """The pipeline asker's CNN ('SAME' convolutions for small images, no dropout) as its three
+    `tf.device` blocks; with `devices` (three names), stage i is created on devices[i]."""
     height, width, channels = input_shape
     if height < 8 or width < 8:
         raise ValueError(f"the CNN pools three times, so images must be at least 8x8, got {input_shape}.")
@@ -111,7 +107,7 @@ def cnn_stages(input_shape=(8, 8, 1), num_classes: int = 10, seed: int = 0, devi
     builders = [
         lambda: [Conv2D(channels, 32, seed), Conv2D(32, 64, seed + 1), MaxPool()],
         lambda: [Conv2D(64, 128, seed + 2), MaxPool(), Conv2D(128, 64, seed + 3), MaxPool()],
-        lambda: [Flatten(), Dense(flat, 1500, relu=True, seed=seed + 4), Dense(1500, num_classes, seed=seed + 5)],
+        lambda: [Flatten(), Dense(flat, 1500, relu=True, seed=seed + 4), Dense(1500, 10, seed=seed + 5)],
     ]
     if devices is not None and len(devices) != len(builders):
         raise ValueError(f"the CNN has {len(builders)} stages but {len(devices)} devices were given.")

@@ -16,6 +16,7 @@ import shutil
 import sys
 
 HIDDEN, LEARNING_RATE = (64,), 0.5
+COLLECTIVE_TIMEOUT_S = 15.0  # how long a worker waits for a dead peer before failing (the fault drill)
 
 
 def shard_dataset(worker: int, workers: int, batch: int, seed: int = 0):
@@ -28,14 +29,14 @@ def shard_dataset(worker: int, workers: int, batch: int, seed: int = 0):
     return tf.data.Dataset.from_tensor_slices((x, y)).shard(workers, worker).repeat().batch(batch, drop_remainder=True)
 
 
-def reference_weights(workers: int, batch: int, steps: int, seed: int = 0):
+def reference_weights(workers: int, batch: int, steps: int):
     """What the job must end with: the same global batches, trained on one device in one process."""
     import tensorflow as tf
 
     from . import models, reference
 
-    model = models.MLP(hidden=HIDDEN, seed=seed)
-    streams = [iter(shard_dataset(w, workers, batch, seed)) for w in range(workers)]
+    model = models.MLP(hidden=HIDDEN)
+    streams = [iter(shard_dataset(w, workers, batch)) for w in range(workers)]
     step = reference.make_sgd_step(model, LEARNING_RATE)
     for _ in range(steps):
         parts = [next(s) for s in streams]
@@ -80,36 +81,33 @@ def train(args) -> int:
     # One single-core CPU per worker, like devices.simulate(1); simulate itself would start
     # TensorFlow's runtime, which the strategy must configure first.
     tf.config.threading.set_intra_op_parallelism_threads(1)
-    options = tf.distribute.experimental.CommunicationOptions(timeout_seconds=args.collective_timeout)
+    options = tf.distribute.experimental.CommunicationOptions(timeout_seconds=COLLECTIVE_TIMEOUT_S)
     strategy = tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
     resolver = strategy.cluster_resolver  # without TF_CONFIG: a one-worker job, task None
     workers, me, chief = strategy.num_replicas_in_sync, resolver.task_id or 0, is_chief(resolver)
 
     with strategy.scope():
-        model = models.MLP(hidden=HIDDEN, seed=args.seed)
+        model = models.MLP(hidden=HIDDEN)
         optimizer = tf.keras.optimizers.SGD(LEARNING_RATE)
         step = tf.Variable(0, dtype=tf.int64, trainable=False)
     checkpoint = tf.train.Checkpoint(model=model, step=step)
-    target = checkpoint_dir(args.checkpoint_dir, resolver)
+    saved = os.path.join(args.out, "checkpoints")
+    target = checkpoint_dir(saved, resolver)
     manager = tf.train.CheckpointManager(checkpoint, target, max_to_keep=2)
     # Every worker restores the chief's checkpoint: the only complete one.
-    latest = tf.train.latest_checkpoint(args.checkpoint_dir)
+    latest = tf.train.latest_checkpoint(saved)
     if latest:
         checkpoint.restore(latest)
     start = int(step.numpy())
-    print(
-        f"worker {me}/{workers}: {'resumed from checkpoint at step ' + str(start) if latest else 'fresh start'}",
-        flush=True,
-    )
+    began = f"resumed from checkpoint at step {start}" if latest else "fresh start"
+    print(f"worker {me}/{workers}: {began}", flush=True)
     if start >= args.steps:
-        print(
-            f"worker {me}: the job is complete (checkpoint at step {start}, --steps {args.steps}); nothing to do",
-            flush=True,
-        )
+        done = f"the job is complete (checkpoint at step {start}, --steps {args.steps}); nothing to do"
+        print(f"worker {me}: {done}", flush=True)
         return 0
 
     def dataset_fn(context):
-        ds = shard_dataset(context.input_pipeline_id, context.num_input_pipelines, args.batch, args.seed)
+        ds = shard_dataset(context.input_pipeline_id, context.num_input_pipelines, args.batch)
         return ds.skip(start)  # the batches consumed before the checkpoint
 
     batches = iter(strategy.distribute_datasets_from_function(dataset_fn))
@@ -167,24 +165,15 @@ def parse(argv=None):
     parser.add_argument("--batch", type=int, default=32, help="examples per worker and step")
     parser.add_argument("--checkpoint-every", type=int, default=10)
     parser.add_argument("--out", required=True, help="folder for the step log, weights and checkpoints")
-    parser.add_argument("--checkpoint-dir", default=None, help="default: OUT/checkpoints")
-    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--crash-at", type=int, default=None, help="step after which --crash-worker dies")
     parser.add_argument("--crash-worker", type=int, default=1, help="index of the worker that dies at --crash-at")
-    parser.add_argument(
-        "--collective-timeout", type=float, default=15.0, help="seconds a worker waits for a dead peer before failing"
-    )
     args = parser.parse_args(argv)
     if args.steps < 1 or args.batch < 1 or args.checkpoint_every < 1:
         parser.error("--steps, --batch and --checkpoint-every must be >= 1")
     if args.crash_worker < 0:
         parser.error(f"--crash-worker must be a worker index >= 0 (0 is the chief), got {args.crash_worker}")
-    if not args.collective_timeout > 0:
-        parser.error(f"--collective-timeout must be a number of seconds > 0, got {args.collective_timeout}")
-    args.checkpoint_dir = args.checkpoint_dir or os.path.join(args.out, "checkpoints")
-    for option, folder in (("--out", args.out), ("--checkpoint-dir", args.checkpoint_dir)):
-        if os.path.exists(folder) and not os.path.isdir(folder):
-            parser.error(f"{option} {folder!r} is a file, not a folder: give the path of a folder (new or existing)")
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        parser.error(f"--out {args.out!r} is a file, not a folder: give the path of a folder (new or existing)")
     problem = tf_config_problem(os.environ.get("TF_CONFIG"))
     if problem:
         parser.error(problem)

@@ -1,16 +1,15 @@
-"""Child processes that die with the process that started them, however it ends.
-
-Three layers, since no single one covers every ending: on Linux each child asks for SIGKILL
-when its parent dies (`PR_SET_PDEATHSIG`, which covers a SIGKILL of the parent); `atexit`
-stops the children at a normal exit; elsewhere SIGTERM and SIGHUP stop them first. Each child
-runs in a session of its own, so a Ctrl-C in the notebook does not reach it and `stop` can
-signal its whole process group.
+"""Child processes that die with the process that started them, however it ends: on Linux by
+`PR_SET_PDEATHSIG` (even when the parent is killed), at a normal exit by `atexit`, elsewhere on
+SIGTERM and SIGHUP. Each child has a session of its own: a Ctrl-C in the notebook does not reach
+it, and `stop` signals its whole process group.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ctypes
+import functools
 import os
 import re
 import signal
@@ -27,7 +26,6 @@ STARTUP_NOISE = re.compile(r"^(I\d{4} \d\d:\d\d:|WARNING: All log messages befor
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 _children: list[subprocess.Popen] = []
 _lock = threading.Lock()
-_handlers_installed = False
 
 
 def _die_with(parent: int):
@@ -45,12 +43,12 @@ def _die_with(parent: int):
     return preexec
 
 
-def spawn(command, *, env=None, stdout=None, stderr=None, cwd=None) -> subprocess.Popen:
+def spawn(command, *, env=None, stdout=None, stderr=None) -> subprocess.Popen:
     """Start `command` (a list) as a child that is stopped when this process ends."""
     _install_handlers()
     preexec = _die_with(os.getpid()) if sys.platform.startswith("linux") else None
     process = subprocess.Popen(
-        command, env=env, stdout=stdout, stderr=stderr, cwd=cwd, start_new_session=True, preexec_fn=preexec
+        command, env=env, stdout=stdout, stderr=stderr, start_new_session=True, preexec_fn=preexec
     )
     with _lock:
         _children[:] = [p for p in _children if p.poll() is None]
@@ -64,10 +62,8 @@ def stop(processes, grace: float = 5.0) -> None:
     for sig in (signal.SIGTERM, signal.SIGKILL):
         alive = [p for p in processes if p.poll() is None]
         for p in alive:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(p.pid, sig)
-            except ProcessLookupError:
-                pass
         end = time.monotonic() + grace
         while any(p.poll() is None for p in alive) and time.monotonic() < end:
             time.sleep(0.05)
@@ -81,14 +77,10 @@ def log_tail(path, lines: int = 15) -> str:
     return "\n".join(kept[-lines:])
 
 
-def running_children() -> list[subprocess.Popen]:
-    """The children started with `spawn` that are still running."""
-    with _lock:
-        return [p for p in _children if p.poll() is None]
-
-
 def _stop_all() -> None:
-    stop(running_children(), grace=2.0)
+    with _lock:
+        children = list(_children)
+    stop(children, grace=2.0)
 
 
 def _exit_on_signal(signum, _frame) -> None:
@@ -97,11 +89,8 @@ def _exit_on_signal(signum, _frame) -> None:
     os.kill(os.getpid(), signum)  # end as the signal would have ended us
 
 
+@functools.cache  # once per process
 def _install_handlers() -> None:
-    global _handlers_installed
-    if _handlers_installed:
-        return
-    _handlers_installed = True
     atexit.register(_stop_all)
     # On Linux PR_SET_PDEATHSIG already stops the children when a signal ends this process.
     if sys.platform.startswith("linux") or threading.current_thread() is not threading.main_thread():

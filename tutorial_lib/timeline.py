@@ -1,9 +1,7 @@
 """Measured timelines: which device ran which op, and when.
 
-`trace(fn, *args)` runs `fn` under TensorFlow's profiler and returns one `Event` per op
-execution (device, op, type, start and end in ms); the device comes from `placement`, the
-graphs TensorFlow executed. On core devices `worker_traces` captures every worker's ops on
-one clock. `busy_fraction`, `phase_time`, `mean_busy_devices` and `plot` read the events.
+`trace` returns one `Event` per op run (device from `placement`, times from the profiler);
+`busy_fraction`, `phase_time`, `mean_busy_devices` and `plot` read the events.
 """
 
 from __future__ import annotations
@@ -18,31 +16,19 @@ from typing import NamedTuple
 import tensorflow as tf
 from tensorflow.python.eager import context  # private: see `placement`
 
-from . import checks, core_devices
+from . import checks, core_devices, timing
 from .devices import normalize
 
 # The copies TensorFlow adds where a value crosses devices: in `placement`, not computation.
 COPY_TYPES = ("_Send", "_Recv", "_HostSend", "_HostRecv")
 # Bookkeeping ops that move or name data but do no work worth drawing.
 _SKIP_TYPES = {*COPY_TYPES, "NoOp", "Const", "_Arg", "_Retval"}
-PHASE_COLORS = {
-    "forward": "tab:blue",
-    "backward": "tab:orange",
-    "reduce": "tab:purple",
-    "update": "tab:green",
-    "other": "tab:gray",
-}
-_REDUCE_SCOPES = (
-    "average_gradients",
-    "central_all_reduce",
-    "ring_all_reduce",
-    "nccl_all_reduce",
-    "all_reduce",
-    "allreduce",
+PHASE_COLORS = dict(
+    forward="tab:blue", backward="tab:orange", reduce="tab:purple", update="tab:green", other="tab:gray"
 )
-# A whole component of an op's name: `tower_0/ring_all_reduce_1/add` matches (TensorFlow adds
-# _1, _2, ... to a scope opened twice), `tower_0/ToString` or `moving_average/AssignSub` do not.
-_REDUCE_SCOPE = re.compile(f"({'|'.join(_REDUCE_SCOPES)})(_[0-9]+)?")
+# Gradient communication, as a whole component of an op's name: `tower_0/ring_all_reduce_1/add`
+# matches (TensorFlow adds _1, _2, ... to a scope opened twice), `moving_average/AssignSub` does not.
+_REDUCE_SCOPE = re.compile("(average_gradients|(central_|ring_|nccl_)?all_reduce|allreduce)(_[0-9]+)?")
 
 
 @dataclass(frozen=True)
@@ -69,14 +55,11 @@ class Event:
 
 
 def placement(fn, *args, **kwargs) -> list[tuple[str, str, str]]:
-    """(op name, op type, device) for every op TensorFlow ran for `fn`, on the device it ran on.
+    """(op name, op type, device) for every op TensorFlow ran for `fn`, where it ran (soft placement
+    may move a `tf.device` request without a word), copies (`COPY_TYPES`) included.
 
-    Not the `tf.device` requests (`requested_placement`): soft placement moves a request it
-    cannot meet without a word. It runs `fn` once as a fresh `tf.function` (none of fn's own
-    options) and reads the executed graphs, with the copies TensorFlow adds between devices
-    (`COPY_TYPES`); the variables `fn` uses are restored afterwards. How: the eager context's
-    graph collection (`tensorflow.python.eager.context`, private), as `tf.summary.trace_on(graph=True)`
-    does for TensorBoard, the public route that writes them to a summary file instead.
+    Runs `fn` once as a fresh `tf.function` and restores its variables. It reads the executed graphs
+    from the eager context's graph collection (private), as `tf.summary.trace_on(graph=True)` does.
     """
     core_devices.check_workers()  # TensorFlow would ask a dead worker for its graphs and wait
     fresh = tf.function(getattr(fn, "python_function", fn))  # placed when first run: now
@@ -85,7 +68,7 @@ def placement(fn, *args, **kwargs) -> list[tuple[str, str, str]]:
     ctx = context.context()
     ctx.enable_graph_collection()
     try:
-        fetch(fresh(*args, **kwargs))
+        timing.wait(fresh(*args, **kwargs))
         metadata = ctx.export_run_metadata()
     finally:
         ctx.disable_graph_collection()
@@ -119,21 +102,16 @@ def _graph_placement(graph) -> list[tuple[str, str, str]]:
 
 
 def trace(fn, *args, steps: int = 1, placement_of=None, **kwargs) -> list[Event]:
-    """Run `fn(*args, **kwargs)` `steps` times under the profiler, after an untraced warm-up;
-    return its op events. `fn` runs as a `tf.function`, unless `placement_of` lists (or returns,
-    after the warm-up) the concrete functions it calls: their graphs' requests then stand for
-    where each op ran. On core devices a traced run that outlasts the capture window, or a
-    worker that sends no trace, is an error.
-    """
+    """Run `fn(*args, **kwargs)` `steps` times under the profiler, after an untraced warm-up; return
+    its op events. `fn` runs as a `tf.function`, unless `placement_of` lists (or returns, after the
+    warm-up) the concrete functions it calls: their graphs' requests then say where each op ran."""
     steps = checks.whole_number(steps, "steps")
     core_devices.check_workers()  # before the warm-up, which would fail less clearly
     f = fn if placement_of is not None else _as_function(fn)
-    fetch(f(*args, **kwargs))  # warm-up, not traced
-    where = {}
+    timing.wait(f(*args, **kwargs))  # warm-up, not traced
     if placement_of is not None:
         functions = placement_of() if callable(placement_of) else placement_of  # after the warm-up
-        # Already run, so already placed: their requests stand in for the placement (the
-        # default device where they ask for none).
+        # Already run, so already placed: their requests (or the default device) say where ops ran.
         rows = [
             (name, op_type, device or _default_device())
             for concrete in functions
@@ -141,10 +119,8 @@ def trace(fn, *args, steps: int = 1, placement_of=None, **kwargs) -> list[Event]
         ]
     else:
         rows = placement(f, *args, **kwargs)
-    for name, _, device in rows:
-        where.setdefault(name, device)
-    # The trace files are read here and then deleted, even when fn raises: a class that traces
-    # all day must not fill the temporary folder.
+    where = {name: device for name, _, device in reversed(rows)}  # an op's first row wins
+    # Deleted even when fn raises: a class that traces all day must not fill the temporary folder.
     with tempfile.TemporaryDirectory(prefix="tutorial_trace_") as logdir:
         if core_devices.workers:
             from . import worker_traces  # it reads traces with this module's functions
@@ -156,20 +132,13 @@ def trace(fn, *args, steps: int = 1, placement_of=None, **kwargs) -> list[Event]
 
 def profile(f, args, kwargs, steps: int, logdir: str) -> None:
     """Run `f` `steps` times under the profiler, which writes its trace into `logdir`."""
-    # Default options: the host tracer at level 2 (TensorFlow ops) and the device tracer
-    # (explicit ProfilerOptions were ignored, with four warnings per trace).
     tf.profiler.experimental.start(logdir)
     try:
         for _ in range(steps):
             result = f(*args, **kwargs)
-        fetch(result)
+        timing.wait(result)
     finally:
         tf.profiler.experimental.stop()
-
-
-def fetch(result) -> None:
-    """Wait until every tensor of `result` is computed."""
-    tf.nest.map_structure(lambda t: t.numpy() if hasattr(t, "numpy") else t, result)
 
 
 def _as_function(fn):
@@ -181,9 +150,7 @@ def _default_device() -> str:
     return normalize(gpus[0].name) if gpus else "/device:CPU:0"
 
 
-class _Raw(NamedTuple):
-    """One op execution as the profiler recorded it, before the times are made relative."""
-
+class _Raw(NamedTuple):  # one op run as the profiler recorded it
     device: str
     op: str
     type: str
@@ -194,10 +161,13 @@ class _Raw(NamedTuple):
 
 def read_spaces(logdir: str) -> dict:
     """Every trace file under `logdir`, by host (the file's name, as `localhost_12345`)."""
-    return {
-        Path(path).name.removesuffix(".xplane.pb"): _load_space(path)
-        for path in glob.glob(f"{logdir}/**/*.xplane.pb", recursive=True)
-    }
+    from tensorflow.tsl.profiler.protobuf import xplane_pb2
+
+    spaces = {}
+    for path in glob.glob(f"{logdir}/**/*.xplane.pb", recursive=True):
+        spaces[Path(path).name.removesuffix(".xplane.pb")] = space = xplane_pb2.XSpace()
+        space.ParseFromString(Path(path).read_bytes())
+    return spaces
 
 
 def session_ns(space) -> tuple[int, int] | None:
@@ -211,12 +181,8 @@ def session_ns(space) -> tuple[int, int] | None:
 
 
 def space_events(space, where: dict[str, str], device: str | None = None):
-    """The ops of one trace file, timed in picoseconds since the epoch where the file says
-    when its session started (its lines count from there).
-
-    `device`: the device that wrote this file (a core device's worker), or None for this
-    process's own trace, where the graph's placement (`where`) says each op's device.
-    """
+    """The ops of one trace file, in picoseconds since the epoch where it records its session's start.
+    `device`: the core device that wrote it, or None for this process's trace (then `where` says)."""
     session = session_ns(space)
     start_ps = session[0] * 1000 if session else 0
     for plane in space.planes:
@@ -237,18 +203,8 @@ def as_events(raw) -> list[Event]:
     return sorted(events, key=lambda ev: (ev.start, ev.device))
 
 
-def _load_space(path: str):
-    from tensorflow.tsl.profiler.protobuf import xplane_pb2
-
-    space = xplane_pb2.XSpace()
-    with open(path, "rb") as f:
-        space.ParseFromString(f.read())
-    return space
-
-
-def _plane_events(plane, where: dict[str, str], start_ps: int = 0):
-    """The ops of one profiler plane (a host's threads, or a GPU) that ran on a known device;
-    `start_ps`: when the plane's session started (its lines' times count from there)."""
+def _plane_events(plane, where: dict[str, str], start_ps: int):
+    """The ops of one profiler plane (a host's threads, or a GPU) that ran on a known device."""
     on_gpu = plane.name.startswith("/device:GPU")
     for line in plane.lines:
         t0 = start_ps + line.timestamp_ns * 1000
@@ -297,25 +253,28 @@ def span(events) -> float:
     return max(e.end for e in events) - min(e.start for e in events) if events else 0.0
 
 
+def _busy_ms(events) -> float:
+    """Milliseconds during which at least one of `events` ran."""
+    return sum(b - a for a, b in merged((e.start, e.end) for e in events))
+
+
+def _lanes(events, devices) -> list[str]:
+    return [normalize(d) for d in devices] if devices else sorted({e.device for e in events})
+
+
 def busy_fraction(events, devices=None) -> dict[str, float]:
     """For each device, the share of the span during which at least one of its ops ran."""
     if not events:
         raise ValueError("no events: was anything traced? trace() returns [] when no op ran.")
-    devices = [normalize(d) for d in devices] if devices else sorted({e.device for e in events})
-    total = span(events)
-    return {
-        d: sum(b - a for a, b in merged((e.start, e.end) for e in events if e.device == d)) / total for d in devices
-    }
+    return {d: _busy_ms(e for e in events if e.device == d) / span(events) for d in _lanes(events, devices)}
 
 
 def phase_time(events) -> dict[str, dict[str, float]]:
-    """Milliseconds each device spent in each phase (forward, backward, update, other)."""
-    table: dict[str, dict[str, float]] = {}
-    for device in sorted({e.device for e in events}):
-        for phase in PHASE_COLORS:
-            spans = [(e.start, e.end) for e in events if e.device == device and e.phase == phase]
-            table.setdefault(device, {})[phase] = sum(b - a for a, b in merged(spans))
-    return table
+    """Milliseconds each device spent in each phase (forward, backward, reduce, update, other)."""
+    return {
+        d: {p: _busy_ms(e for e in events if e.device == d and e.phase == p) for p in PHASE_COLORS}
+        for d in _lanes(events, None)
+    }
 
 
 def mean_busy_devices(events) -> float:
@@ -330,7 +289,7 @@ def plot(events, devices=None, title="Per-device timeline", ax=None):
 
     if not events:
         raise ValueError("no events to plot.")
-    devices = [normalize(d) for d in devices] if devices else sorted({e.device for e in events})
+    devices = _lanes(events, devices)
     if ax is None:
         _, ax = plt.subplots(figsize=(9, 0.6 * len(devices) + 1.4), layout="constrained")
     for lane, device in enumerate(devices):
@@ -339,14 +298,7 @@ def plot(events, devices=None, title="Per-device timeline", ax=None):
             ax.broken_barh(bars, (lane - 0.4, 0.8), color=color)
     ax.set_yticks(range(len(devices)), devices)
     ax.invert_yaxis()
-    ax.set_xlabel("time (ms)")
-    ax.set_ylabel("device")
-    ax.set_title(title)
-    used = {e.phase for e in events}
-    ax.legend(
-        handles=[Patch(color=c, label=p) for p, c in PHASE_COLORS.items() if p in used],
-        loc="upper left",
-        bbox_to_anchor=(1.01, 1),
-        fontsize="small",
-    )
+    ax.set(xlabel="time (ms)", ylabel="device", title=title)
+    handles = [Patch(color=c, label=p) for p, c in PHASE_COLORS.items() if p in {e.phase for e in events}]
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1), fontsize="small")
     return ax

@@ -1,6 +1,5 @@
-"""The timing tools of the course: warm up, repeat, take the median and the interquartile
-range (`Timing`), and compare variants only as ratios measured in the same run.
-"""
+"""The course's timing tools: warm up, repeat, take the median and the interquartile range
+(`Timing`), and compare variants only as ratios measured in the same run."""
 
 from __future__ import annotations
 

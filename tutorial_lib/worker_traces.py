@@ -1,9 +1,5 @@
-"""Timelines on core devices: capture the ops every worker process ran, on one clock.
-
-Each worker serves TensorFlow's profiler; `trace_cores` asks all of them for a trace at once
-while `fn` runs, and puts each file's ops on its worker's device and on one clock (each file
-records when its session started). Ops with no `tf.device` scope run in this process, on no
-core device, and `trace_cores` warns about them.
+"""Timelines on core devices: every worker's profiler captures at once while `fn` runs, and each
+trace's ops go on its worker's device and on one clock (each trace records when it started).
 """
 
 from __future__ import annotations
@@ -18,17 +14,15 @@ import warnings
 
 import tensorflow as tf
 
-from . import core_devices, timeline
+from . import core_devices, timeline, timing
 
-# Core devices: the workers' profilers start capturing within CAPTURE_LEAD_S of being asked
-# (checked afterwards from the session times each one records), and capture for the lead,
-# plus CAPTURE_MARGIN times the steps as long as an untraced step took, plus CAPTURE_SLACK_S.
+# The workers' profilers start capturing within CAPTURE_LEAD_S of being asked (checked afterwards
+# from the session times each records), and capture for the lead, plus CAPTURE_MARGIN times the
+# steps as long as an untraced step took, plus CAPTURE_SLACK_S.
 CAPTURE_LEAD_S = 0.5
 CAPTURE_MARGIN = 3.0
 CAPTURE_SLACK_S = 1.0
 JOIN_GRACE_S = 60.0  # how long after the window the profiler may take to send its traces
-# Name scopes that mark gradient communication (averaging, all-reduce): towers.average_gradients,
-# allreduce's reducers (and the notebooks' copies), and common names for the same work.
 
 
 def trace_cores(f, args, kwargs, steps: int, logdir: str, where: dict[str, str]) -> list[timeline.Event]:
@@ -51,13 +45,10 @@ def trace_cores(f, args, kwargs, steps: int, logdir: str, where: dict[str, str])
 
 
 def _profile_workers(f, args, kwargs, steps: int, logdir: str, addresses: list[str]) -> tuple[int, int]:
-    """Run `f` `steps` times while the profiler servers at `addresses` capture into
-    `logdir`/workers, and this process's profiler into `logdir`/local.
-
-    Returns when `f` started and ended, in nanoseconds since the epoch (the profiler's clock).
-    """
+    """Run `f` `steps` times while the profilers at `addresses` capture into `logdir`/workers, and
+    this process's into `logdir`/local; return when `f` started and ended (ns since the epoch)."""
     began = time.perf_counter()
-    timeline.fetch(f(*args, **kwargs))  # an untraced step, timed: it sizes the capture window
+    timing.wait(f(*args, **kwargs))  # an untraced step, timed: it sizes the capture window
     window_s = CAPTURE_LEAD_S + CAPTURE_SLACK_S + CAPTURE_MARGIN * steps * (time.perf_counter() - began)
     failures: list[BaseException] = []
 
@@ -95,11 +86,8 @@ def _profile_workers(f, args, kwargs, steps: int, logdir: str, addresses: list[s
 
 @contextlib.contextmanager
 def _c_stdout_silenced():
-    """Send what C++ code writes to file descriptor 1 to /dev/null for the block.
-
-    Python's own `print` is unaffected in Jupyter (its `sys.stdout` is not descriptor 1);
-    in a terminal it is flushed first and silenced too, for the few seconds of a capture.
-    """
+    """Send what C++ code writes to file descriptor 1 to /dev/null for the block (in a terminal,
+    Python's own prints too; in Jupyter `sys.stdout` is not descriptor 1)."""
     sys.stdout.flush()
     saved = os.dup(1)
     try:
@@ -112,12 +100,9 @@ def _c_stdout_silenced():
 
 
 def core_events(spaces: dict, hosts: dict[str, str], where: dict[str, str], ran: tuple[int, int], local=None):
-    """The ops of `fn` in the core devices' traces, and in this process's (`local`), on one clock.
-
-    `spaces`: host -> its trace; `hosts`: host -> the device its worker is; `ran`: when fn
-    started and ended (ns since the epoch). Refuses traces that miss a worker or part of fn.
-    This process's ops get their device from the graph's placement (`where`), as in `trace`.
-    """
+    """The ops of `fn` in the core devices' traces (`spaces`: host -> trace; `hosts`: host -> its
+    device) and in this process's (`local`), on one clock. Refuses traces that miss a worker or
+    part of fn's run (`ran`: its start and end, ns since the epoch)."""
     missing = sorted(set(hosts) - set(spaces))
     if missing:
         raise RuntimeError(
