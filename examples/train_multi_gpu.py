@@ -320,18 +320,27 @@ def make_cnn(input_shape, synchronized=False):
                              keras.layers.Dense(10)])  # fmt: skip
 
 
+MNIST_CACHE = Path.home() / ".keras/datasets/mnist.npz"
+
+
+def digits_file():
+    """The 8x8 digits' CSV: the course's copy in tutorial_lib/, else scikit-learn's (found, not imported)."""
+    sklearn = importlib.util.find_spec("sklearn")
+    folders = [Path(__file__).resolve().parents[1] / "tutorial_lib"]
+    folders += [Path(sklearn.submodule_search_locations[0], "datasets", "data")] if sklearn else []
+    return next((f / "digits.csv.gz" for f in folders if (f / "digits.csv.gz").is_file()), None)
+
+
 def load_data(path):
     """((x_train, y_train), (x_test, y_test)) from an mnist.npz (default: Keras' cache, if there), else
-    the 8x8 digits file that scikit-learn ships, read without importing it; images (N, H, W, 1) in [0, 1]."""
-    cache = Path.home() / ".keras/datasets/mnist.npz"
-    path = path or (cache if cache.exists() else "digits")
+    the 8x8 digits (`digits_file`); images (N, H, W, 1) in [0, 1]."""
+    path = path or (MNIST_CACHE if MNIST_CACHE.exists() else "digits")
     print(f"data: {path}" if path != "digits" else "data: 8x8 digits (no MNIST in the Keras cache)")
     if path != "digits":
         with np.load(path) as f:
             splits = (f["x_train"] / 255.0, f["y_train"]), (f["x_test"] / 255.0, f["y_test"])
     else:
-        folder = importlib.util.find_spec("sklearn").submodule_search_locations[0]
-        table = np.loadtxt(f"{folder}/datasets/data/digits.csv.gz", delimiter=",")
+        table = np.loadtxt(digits_file(), delimiter=",")
         order = np.random.default_rng(0).permutation(len(table))
         splits = [(table[i, :64].reshape(-1, 8, 8) / 16.0, table[i, 64]) for i in (order[300:], order[:300])]
     return [(x[..., None].astype(keras.config.floatx()), y.astype(np.int32)) for x, y in splits]
@@ -507,7 +516,8 @@ def parse(argv):
         (a.profile and not a.logdir, "--profile writes into --logdir: give --logdir DIR too"),
         (a.logdir and not importlib.util.find_spec("tensorboard"), "--logdir: pip install tensorboard first"),
         (a.data not in (None, "digits") and not Path(a.data or "").is_file(), f"--data {a.data}: no such file"),
-        (a.data == "digits" and not importlib.util.find_spec("sklearn"), "--data digits needs scikit-learn's file"),
+        ((a.data == "digits" or not (a.data or MNIST_CACHE.exists())) and not digits_file(),
+         "no data: run the file from the course (tutorial_lib/digits.csv.gz) or give --data PATH of an mnist.npz"),
         (a.json and not Path(a.json).absolute().parent.is_dir(), f"--json {a.json}: no such folder"),
     ]  # fmt: skip
     for message in [message for problem, message in problems if problem][:1]:

@@ -158,3 +158,13 @@ def test_a_functional_model_and_a_batch_norm_of_another_axis_are_refused(devs):
     bn.build((None, 8, 8, 1))
     with pytest.raises(ValueError, match=r"normalizes the last axis.*BatchNormalization\(axis=-1"):
         example.sync_batch_norm([bn, bn], devs[:2], xs, example.ALL_SUMS["ring"])
+
+
+def test_without_the_digits_file_or_mnist_it_exits_2_saying_where_data_comes_from(monkeypatch, capsys, tmp_path):
+    assert example.digits_file() == ROOT / "tutorial_lib" / "digits.csv.gz"  # the course's copy
+    monkeypatch.setattr(example, "digits_file", lambda: None)  # a file copied alone, without scikit-learn
+    monkeypatch.setattr(example, "MNIST_CACHE", tmp_path / "mnist.npz")
+    for argv in ([], ["--data", "digits"]):
+        with pytest.raises(SystemExit) as stop:
+            example.parse(argv)
+        assert stop.value.code == 2 and "no data" in capsys.readouterr().err

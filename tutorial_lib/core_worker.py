@@ -49,6 +49,16 @@ def _state(pid: int) -> str | None:
         return None
 
 
+def skip_plotting_imports() -> None:
+    """Make `import matplotlib` and `import IPython` fail in this process, which never plots.
+
+    Keras, which `import tensorflow` loads, imports both whenever they are installed (each in a
+    try/except ImportError): about 1 s of CPU at every worker start. None in sys.modules makes
+    an import raise ImportError.
+    """
+    sys.modules.update(dict.fromkeys(("matplotlib", "IPython")))
+
+
 def main(argv=None) -> None:
     if argv and argv[0] == "--watch":  # --watch PIDS LOG_DIR FROZEN_LIMIT_S
         watch([int(p) for p in argv[1].split(",")], argv[2], float(argv[3]))
@@ -57,6 +67,7 @@ def main(argv=None) -> None:
     addresses = args.cluster.split(",")
     if hasattr(os, "sched_setaffinity"):  # Linux; elsewhere the device is not pinned
         os.sched_setaffinity(0, {args.core})
+    skip_plotting_imports()
     import tensorflow as tf
 
     config = tf.compat.v1.ConfigProto(intra_op_parallelism_threads=1, inter_op_parallelism_threads=INTER_OP_THREADS)

@@ -188,4 +188,7 @@ def parse(argv=None):
 
 
 if __name__ == "__main__":
+    from .core_worker import skip_plotting_imports
+
+    skip_plotting_imports()  # a worker never plots
     sys.exit(train(parse()))
