@@ -242,85 +242,89 @@ def test_workers_that_never_get_ready_are_a_clear_error_and_are_stopped(monkeypa
     assert core_devices.workers == []
 
 
-# --- faults after start: a frozen worker, a dead one -------------
+# --- faults after start: a dead worker, a frozen one -------------
 
-FAULTS = """
-    import json, os, signal, sys, time
+RUN_ON = """
+    import json, os, signal, sys, threading, time
     from tutorial_lib import core_devices, devices
 
     names = devices.simulate(2, kind="cores")
     import tensorflow as tf
 
-    fault, task = sys.argv[1], 1
-    worker = core_devices.workers[task]
-    if fault == "dead":  # it dies before its first op
-        os.kill(worker.process.pid, signal.SIGKILL)
-        worker.process.wait()
-    else:  # frozen, as by SIGSTOP (or Ctrl-Z)
-        os.kill(worker.process.pid, signal.SIGSTOP)
-    start = time.monotonic()
-    try:
-        with tf.device(names[task]):
-            float(tf.reduce_sum(tf.ones([2, 2]) * 2))
-        ended = "ran"
-    except tf.errors.OpError as err:
-        ended = type(err).__name__
-    print("ENDED", json.dumps([ended, time.monotonic() - start]), flush=True)
-    try:
-        devices.simulate(2, kind="cores")
-    except RuntimeError as err:
-        print("REFUSED", json.dumps(str(err)), flush=True)
+    def run_on(task):
+        start = time.monotonic()
+        try:
+            with tf.device(names[task]):
+                float(tf.reduce_sum(tf.ones([2, 2]) * 2))
+            ended = "ran"
+        except tf.errors.OpError as err:
+            ended = type(err).__name__
+        except KeyboardInterrupt:
+            ended = "KeyboardInterrupt"
+        return [ended, time.monotonic() - start]
+
+    def refused():
+        try:
+            devices.simulate(2, kind="cores")
+        except RuntimeError as err:
+            print("REFUSED", json.dumps(str(err)), flush=True)
 """
+
+DEAD = (
+    RUN_ON
+    + """
+    worker = core_devices.workers[1]
+    os.kill(worker.process.pid, signal.SIGKILL)  # it dies before its first op
+    worker.process.wait()
+    print("ENDED", json.dumps(run_on(1)), flush=True)
+    refused()
+"""
+)
+
+# Frozen, as by SIGSTOP (or Ctrl-Z): worker 1 alone, then worker 0 with a Ctrl-C (SIGINT to this
+# process) while its op waits.
+FROZEN = (
+    RUN_ON
+    + """
+    os.kill(core_devices.workers[1].process.pid, signal.SIGSTOP)
+    print("ENDED", json.dumps(run_on(1)), flush=True)
+    os.kill(core_devices.workers[0].process.pid, signal.SIGSTOP)
+    threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
+    print("INTERRUPTED", json.dumps(run_on(0)), flush=True)
+    refused()
+"""
+)
+
+
+def _faulty_run(code: str):
+    result = subprocess.run(_driver(code), cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert _tagged(result.stdout, "REFUSED"), result.stdout + result.stderr[-2000:]
+    return result.stdout
+
+
+def _ends_in_an_error_within_the_limit(ended):
+    # Before, the dead worker's op waited 120 s and the frozen one's 100 s and more.
+    assert ended[0] == "UnavailableError" and ended[1] < core_devices.FROZEN_LIMIT_S + 30, ended
 
 
 @linux_only
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    ("fault", "what"), [("dead", "exited with status -9"), ("frozen", "was frozen (stopped) for 3 s and was killed")]
-)
-def test_a_dead_or_frozen_worker_ends_its_op_in_an_error_and_simulate_refuses_it(fault, what):
-    result = subprocess.run(_driver(FAULTS, fault), cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert _tagged(result.stdout, "REFUSED"), result.stdout + result.stderr[-2000:]
-    (ended,) = _tagged(result.stdout, "ENDED")
-    (refused,) = _tagged(result.stdout, "REFUSED")
-    # Before, the dead worker's op waited 120 s and the frozen one's 100 s and more.
-    assert ended[0] == "UnavailableError" and ended[1] < core_devices.FROZEN_LIMIT_S + 30, ended
-    assert re.search(rf"core device 1 \(pid \d+, core \d+\) {re.escape(what)}", refused), refused
+def test_a_dead_worker_ends_its_op_in_an_error_and_simulate_refuses_it():
+    out = _faulty_run(DEAD)
+    _ends_in_an_error_within_the_limit(*_tagged(out, "ENDED"))
+    (refused,) = _tagged(out, "REFUSED")
+    assert re.search(r"core device 1 \(pid \d+, core \d+\) exited with status -9", refused), refused
     assert "restart the kernel" in refused
 
 
-INTERRUPTED = """
-    import os, signal
-    from tutorial_lib import core_devices, devices
-
-    names = devices.simulate(2, kind="cores")
-    import tensorflow as tf
-
-    os.kill(core_devices.workers[1].process.pid, signal.SIGSTOP)
-    print("WAITING", flush=True)
-    try:
-        with tf.device(names[1]):
-            float(tf.reduce_sum(tf.ones([2, 2]) * 2))
-    except KeyboardInterrupt:
-        print("INTERRUPTED", flush=True)
-"""
-
-
 @linux_only
 @pytest.mark.slow
-def test_ctrl_c_stops_an_op_that_waits_on_a_frozen_worker():
-    driver = subprocess.Popen(
-        _driver(INTERRUPTED), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
-    )
-    try:
-        for line in driver.stdout:  # until the op waits
-            if line.startswith("WAITING"):
-                break
-        time.sleep(0.5)
-        driver.send_signal(signal.SIGINT)
-        out, _ = driver.communicate(timeout=60)  # before the watcher, it ignored Ctrl-C for 90 s
-    finally:
-        if driver.poll() is None:
-            driver.kill()
-            driver.wait()
-    assert out.strip() == "INTERRUPTED" and driver.returncode == 0
+def test_a_frozen_worker_ends_its_op_in_an_error_ctrl_c_stops_the_wait_and_simulate_refuses_it():
+    out = _faulty_run(FROZEN)
+    _ends_in_an_error_within_the_limit(*_tagged(out, "ENDED"))
+    (interrupted,) = _tagged(out, "INTERRUPTED")  # before the watcher, Ctrl-C was ignored for 90 s
+    assert interrupted[0] == "KeyboardInterrupt" and interrupted[1] < core_devices.FROZEN_LIMIT_S + 30, interrupted
+    (refused,) = _tagged(out, "REFUSED")
+    frozen = "was frozen (stopped) for 3 s and was killed"
+    assert re.search(rf"core device 1 \(pid \d+, core \d+\) {re.escape(frozen)}", refused), refused
+    assert "restart the kernel" in refused
