@@ -17,15 +17,6 @@ _spec = importlib.util.spec_from_file_location("train_multi_gpu", EXAMPLE)
 example = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(example)
 
-# Both strategies checked against one device in ONE child process per device count.
-CHECK_BOTH = """
-import sys
-sys.path.insert(0, {folder!r})
-import train_multi_gpu as t
-argv = ["--check", "--steps", "6", "--batch", "{batch}", "--simulate", "{n}", "--strategy"]
-sys.exit(max(t.main([*argv, s]) for s in ("replicated", "mirrored")))
-"""
-
 
 def run(*args, timeout=600):
     env = {"TF_CPP_MIN_LOG_LEVEL": "3", "PATH": "/usr/bin:/bin", "HOME": str(Path.home())}
@@ -33,12 +24,11 @@ def run(*args, timeout=600):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("n", [3])  # 2 and 4 devices: the in-process tests below
-def test_both_strategies_pass_check_on_simulated_devices(n):
-    done = run("-c", CHECK_BOTH.format(folder=str(EXAMPLE.parent), n=n, batch=8 * n))
-    assert done.returncode == 0, done.stdout + done.stderr
-    lines = [line for line in done.stdout.splitlines() if line.startswith("check:")]
-    assert len(lines) == 2 and all(f"on {n} devices" in line and "(ok)" in line for line in lines), done.stdout
+def test_both_strategies_pass_check_on_three_devices(devs, capsys):
+    argv = ["--check", "--steps", "6", "--batch", "24", "--devices", ",".join(devs[:3]), "--strategy"]
+    assert [example.main([*argv, strategy]) for strategy in ("replicated", "mirrored")] == [0, 0]
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("check:")]
+    assert len(lines) == 2 and all("on 3 devices" in line and "(ok)" in line for line in lines), lines
 
 
 def _one_device_keras(start, device, batches):
