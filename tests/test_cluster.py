@@ -1,5 +1,4 @@
 import gc
-import json
 import os
 import signal
 import socket
@@ -192,22 +191,6 @@ def test_workers_die_with_their_driver(tmp_path, ending):
         process.kill()
         process.wait()
         process.stdout.close()
-
-
-@pytest.mark.slow
-def test_multi_worker_training_equals_one_process_and_leaves_nothing_running(tmp_path):
-    from tutorial_lib import multi_worker
-
-    args = ["--steps", "6", "--checkpoint-every", "3", "--out", str(tmp_path)]
-    with cluster.Cluster(["-m", "tutorial_lib.multi_worker"], 2, args=args, env={"TF_CPP_MIN_LOG_LEVEL": "3"}) as c:
-        assert c.wait(timeout=180) == [0, 0]
-    assert _gone(c)
-    weights = np.load(tmp_path / "weights.npz")
-    for i, ref in enumerate(multi_worker.reference_weights(2, 32, 6)):
-        np.testing.assert_allclose(weights[f"arr_{i}"], ref, rtol=1e-5, atol=1e-6)
-    steps = [json.loads(line)["step"] for line in (tmp_path / "steps.jsonl").read_text().splitlines()]
-    assert steps == [1, 2, 3, 4, 5, 6]
-    assert not (tmp_path / "checkpoints" / "tmp_worker1").exists()  # the non-chief cleaned up
 
 
 def test_tail_drops_tensorflow_startup_info_but_keeps_warnings(tmp_path):
