@@ -75,14 +75,15 @@ kernel: $(STAMP)
 
 # Two pytest-xdist workers (TEST_WORKERS=1 for one process): most tests wait on the TensorFlow
 # processes and kernels they start. --dist loadfile keeps each file in one worker, in order:
-# nbval runs a notebook's cells one after another in one kernel.
+# nbval runs a notebook's cells one after another in one kernel. The notebooks come first: they
+# are the longest files, and started last they would leave one worker running alone at the end.
 TEST_WORKERS ?= 2
 PARALLEL = $(if $(filter-out 1,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile)
 
 test: $(STAMP)
 	$(BIN)/ruff check tutorial_lib examples tests notebooks tools conftest.py
 	$(BIN)/ruff format --check tutorial_lib examples tests notebooks tools conftest.py
-	$(BIN)/python -m pytest tests $(NOTEBOOKS) --nbval --nbval-current-env \
+	$(BIN)/python -m pytest $(NOTEBOOKS) tests --nbval --nbval-current-env \
 		--nbval-sanitize-with tests/nbval_sanitize.cfg $(PARALLEL) $(PYTEST_ARGS)
 
 # The quick check after changing the package: the unit tests without those marked slow.
