@@ -151,7 +151,7 @@ def test_the_first_import_and_simulate_print_one_line_in_a_plain_python():
 
 @pytest.mark.slow
 def test_a_notebook_setup_cell_is_quiet_in_a_kernel_with_a_plain_environment(monkeypatch):
-    """Notebook 01's setup cell, in a fresh kernel whose environment lacks the course's settings:
+    """The course's first setup cell (notebook 00's), in a fresh kernel whose environment lacks the course's settings:
     what it shows is the one line simulate prints, and no start-up noise (ipykernel shows what
     C++ writes to stderr in the cell)."""
     nbclient = pytest.importorskip("nbclient")
@@ -160,7 +160,7 @@ def test_a_notebook_setup_cell_is_quiet_in_a_kernel_with_a_plain_environment(mon
     for key in _COURSE_SETTINGS:
         monkeypatch.delenv(key, raising=False)
     monkeypatch.setenv("PYTHONPATH", str(ROOT))
-    nb = nbformat.read(ROOT / "notebooks" / "01_naive_placement.ipynb", as_version=4)
+    nb = nbformat.read(ROOT / "notebooks" / "00_devices.ipynb", as_version=4)
     nb.cells = nb.cells[:3]
     nbclient.NotebookClient(nb, timeout=300, kernel_name="python3").execute()
     outputs = nb.cells[2].outputs
