@@ -74,6 +74,7 @@ def _pages() -> list[str]:
     return ["index.html"] + [p.stem + ".html" for p in NOTEBOOKS]
 
 
+@pytest.mark.slow
 def test_front_page_is_the_readme_with_links_to_every_page(site):
     page = _page(site, "index.html")
     text = " ".join(page.text)
@@ -83,6 +84,7 @@ def test_front_page_is_the_readme_with_links_to_every_page(site):
         assert f"{path.stem}.html" in page.links, f"the front page does not link to {path.stem}.html"
 
 
+@pytest.mark.slow
 def test_every_link_works_offline_and_none_points_at_a_notebook_file(site):
     for name in _pages():
         page = _page(site, name)
@@ -95,6 +97,7 @@ def test_every_link_works_offline_and_none_points_at_a_notebook_file(site):
             assert (site / target).is_file(), f"{name} links to {link}, which the site does not have"
 
 
+@pytest.mark.slow
 def test_each_notebook_page_links_to_previous_home_and_next(site):
     names = [p.stem + ".html" for p in NOTEBOOKS]
     for i, name in enumerate(names):
@@ -130,6 +133,7 @@ def _solution_only_lines() -> set[str]:
     return {line for line in solution - elsewhere if line not in shown}
 
 
+@pytest.mark.slow
 def test_pages_show_no_solution(site):
     lines = _solution_only_lines()
     assert len(lines) > 20
@@ -139,6 +143,7 @@ def test_pages_show_no_solution(site):
         assert not leaked, f"{name} shows solution code: {leaked[:2]}"
 
 
+@pytest.mark.slow
 def test_every_figure_is_on_its_page_with_alt_text(site):
     for path in NOTEBOOKS:
         images = _page(site, path.stem + ".html").images
@@ -176,6 +181,7 @@ def _render(page: Path, profile: Path) -> tuple[str, list[str]]:
 
 
 @needs_browser
+@pytest.mark.slow
 def test_the_browser_check_sees_a_script_error_and_a_missing_figure(tmp_path):
     """The checks below can fail: a page that throws, and a figure that cannot be decoded."""
     page = tmp_path / "broken.html"
@@ -191,6 +197,7 @@ def test_the_browser_check_sees_a_script_error_and_a_missing_figure(tmp_path):
 
 
 @needs_browser
+@pytest.mark.slow
 def test_every_page_renders_in_chromium_with_its_figures_and_no_script_error(site, tmp_path):
     names = _pages()
     with ThreadPoolExecutor(max_workers=3) as pool:

@@ -198,6 +198,7 @@ def test_an_existing_folder_the_tool_did_not_write_is_not_replaced(tmp_path):
     assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
 
 
+@pytest.mark.slow
 def test_a_student_copy_runs_top_to_bottom_up_to_its_exercises(handout, monkeypatch):
     """Notebook 08 (the quickest to run; nbval runs them all): every cell runs, the placeholders
     included; only the cells the course tags 'raises-exception' may raise."""
