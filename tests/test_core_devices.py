@@ -268,12 +268,6 @@ FROZEN = (
 )
 
 
-def _faulty_run(code: str):
-    result = subprocess.run(_driver(code), cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert _tagged(result.stdout, "REFUSED"), result.stdout + result.stderr[-2000:]
-    return result.stdout
-
-
 def _ends_in_an_error_within_the_limit(ended):
     # Before, the dead worker's op waited 120 s and the frozen one's 100 s and more.
     assert ended[0] == "UnavailableError" and ended[1] < core_devices.FROZEN_LIMIT_S + 30, ended
@@ -308,7 +302,9 @@ def test_a_dead_worker_ends_its_op_in_an_error_and_simulate_refuses_it_and_the_o
 @linux_only
 @pytest.mark.slow
 def test_a_frozen_worker_ends_its_op_in_an_error_ctrl_c_stops_the_wait_and_simulate_refuses_it():
-    out = _faulty_run(FROZEN)
+    result = subprocess.run(_driver(FROZEN), cwd=ROOT, capture_output=True, text=True, timeout=120)
+    out = result.stdout
+    assert _tagged(out, "REFUSED"), out + result.stderr[-2000:]
     _ends_in_an_error_within_the_limit(*_tagged(out, "ENDED"))
     (interrupted,) = _tagged(out, "INTERRUPTED")  # seconds to the KeyboardInterrupt; before the watcher, 90
     assert interrupted is not None and interrupted < core_devices.FROZEN_LIMIT_S + 30, interrupted

@@ -16,6 +16,7 @@ EXAMPLE = ROOT / "examples" / "train_multi_gpu.py"
 _spec = importlib.util.spec_from_file_location("train_multi_gpu", EXAMPLE)
 example = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(example)
+from test_train_pipelined import example as pipelined  # noqa: E402 (tests/ is on sys.path)
 
 
 def run(*args, timeout=600):
@@ -153,11 +154,15 @@ def test_a_functional_model_and_a_batch_norm_of_another_axis_are_refused(devs):
         example.sync_batch_norm([bn, bn], devs[:2], xs, example.ALL_SUMS["ring"])
 
 
-def test_without_the_digits_file_or_mnist_it_exits_2_saying_where_data_comes_from(monkeypatch, capsys, tmp_path):
-    assert example.digits_file() == ROOT / "tutorial_lib" / "digits.csv.gz"  # the course's copy
-    monkeypatch.setattr(example, "digits_file", lambda: None)  # a file copied alone, without scikit-learn
-    monkeypatch.setattr(example, "MNIST_CACHE", tmp_path / "mnist.npz")
+@pytest.mark.parametrize("name", ["train_multi_gpu", "train_pipelined"])
+def test_without_the_digits_file_or_mnist_a_take_away_file_exits_2_saying_where_data_comes_from(
+    name, monkeypatch, capsys, tmp_path
+):
+    module = example if name == "train_multi_gpu" else pipelined
+    assert module.digits_file() == ROOT / "tutorial_lib" / "digits.csv.gz"  # the course's copy
+    monkeypatch.setattr(module, "digits_file", lambda: None)  # a file copied alone, without scikit-learn
+    monkeypatch.setattr(module, "MNIST_CACHE", tmp_path / "mnist.npz")
     for argv in ([], ["--data", "digits"]):
         with pytest.raises(SystemExit) as stop:
-            example.parse(argv)
+            module.parse(argv)
         assert stop.value.code == 2 and "no data" in capsys.readouterr().err

@@ -104,13 +104,3 @@ def test_logdir_without_tensorboard_exits_2_with_the_fix(monkeypatch, capsys):
     with pytest.raises(SystemExit) as done:
         example.parse(["--logdir", "logs"])
     assert done.value.code == 2 and "pip install tensorboard" in capsys.readouterr().err
-
-
-def test_without_the_digits_file_or_mnist_it_exits_2_saying_where_data_comes_from(monkeypatch, capsys, tmp_path):
-    assert example.digits_file() == ROOT / "tutorial_lib" / "digits.csv.gz"  # the course's copy
-    monkeypatch.setattr(example, "digits_file", lambda: None)  # a file copied alone, without scikit-learn
-    monkeypatch.setattr(example, "MNIST_CACHE", tmp_path / "mnist.npz")
-    for argv in ([], ["--data", "digits"]):
-        with pytest.raises(SystemExit) as stop:
-            example.parse(argv)
-        assert stop.value.code == 2 and "no data" in capsys.readouterr().err
