@@ -257,12 +257,14 @@ FROZEN = (
     os.kill(core_devices.workers[0].process.pid, signal.SIGSTOP)
     start = time.monotonic()
     threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
+    returned = interrupted = None
     try:  # the KeyboardInterrupt comes once the op returns: from it, or just after it
-        run_on(0)
+        returned = run_on(0)
         time.sleep(5)
-        print("INTERRUPTED", json.dumps(None), flush=True)
     except KeyboardInterrupt:
-        print("INTERRUPTED", json.dumps(time.monotonic() - start), flush=True)
+        interrupted = time.monotonic() - start
+    print("INTERRUPTED", json.dumps(interrupted), flush=True)  # outside the try: an interrupt
+    print("RETURNED", json.dumps(returned), flush=True)  # inside a print would cut its line
     refused()
 """
 )
@@ -307,7 +309,7 @@ def test_a_frozen_worker_ends_its_op_in_an_error_ctrl_c_stops_the_wait_and_simul
     assert _tagged(out, "REFUSED"), out + result.stderr[-2000:]
     _ends_in_an_error_within_the_limit(*_tagged(out, "ENDED"))
     (interrupted,) = _tagged(out, "INTERRUPTED")  # seconds to the KeyboardInterrupt; before the watcher, 90
-    assert interrupted is not None and interrupted < core_devices.FROZEN_LIMIT_S + 30, interrupted
+    assert interrupted is not None and interrupted < core_devices.FROZEN_LIMIT_S + 30, out + result.stderr[-3000:]
     (refused,) = _tagged(out, "REFUSED")
     frozen = "was frozen (stopped) for 3 s and was killed"
     assert re.search(rf"core device 1 \(pid \d+, core \d+\) {re.escape(frozen)}", refused), refused
