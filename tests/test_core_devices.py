@@ -4,7 +4,9 @@ The unit tests share one process that already simulated 4 logical CPUs, so every
 connects to core devices runs a small driver script in a process of its own (cwd = the
 repository root, so that it imports this checkout's `tutorial_lib`). The environment keeps
 TUTORIAL_DEVICE=cpu from the root conftest.py: core devices are CPUs and must still be used.
-Workers that fail to start are tested here, in this process: nothing connects to them.
+One driver serves the checks of computing across two core devices and of `timeline.trace` on
+them: each driver costs three TensorFlow starts. Workers that fail to start are tested here,
+in this process: nothing connects to them.
 """
 
 import json
@@ -29,10 +31,6 @@ linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="re
 
 def _driver(code: str, *args) -> list[str]:
     return [sys.executable, "-c", textwrap.dedent(code), *map(str, args)]
-
-
-def _run(code: str) -> subprocess.CompletedProcess:
-    return subprocess.run(_driver(code), cwd=ROOT, capture_output=True, text=True, timeout=300)
 
 
 def _tagged(stdout: str, tag: str) -> list:
@@ -79,8 +77,9 @@ def test_plan_for_core_devices_says_its_model():
 # --- two core devices in a process of their own ------------------------------------------
 
 CONNECTED = """
-    import json, os
-    from tutorial_lib import cluster, core_devices, devices, processes
+    import json, os, sys, tempfile, time, warnings
+    from pathlib import Path
+    from tutorial_lib import cluster, core_devices, devices, processes, timeline, worker_traces
 
     assert os.environ["TUTORIAL_DEVICE"] == "cpu"
     names = devices.simulate(2, kind="cores")
@@ -105,13 +104,91 @@ CONNECTED = """
             devices.simulate(n, kind=kind)
         except RuntimeError as err:
             print("REFUSED", json.dumps(str(err)))
+
+    # Timelines across the two core devices (timeline.trace), on the same workers.
+    tempfile.tempdir = sys.argv[1]  # the test's own folder: trace folders must not stay in it
+    weights = []
+    for name in names:
+        with tf.device(name):
+            weights.append(tf.Variable(tf.random.stateless_normal([512, 512], seed=[0, 1]) / 32))
+
+    def one_after_the_other(x):  # task 1's chain needs task 0's result
+        for name, w in zip(names, weights, strict=True):
+            with tf.device(name):
+                for _ in range(6):
+                    x = tf.tanh(tf.matmul(x, w))
+        return x
+
+    def side_by_side(x):  # two independent chains, one per device
+        outs = []
+        for name, w in zip(names, weights, strict=True):
+            with tf.device(name):
+                y = x
+                for _ in range(24):
+                    y = tf.tanh(tf.matmul(y, w))
+                outs.append(y)
+        return outs
+
+    def only_task_0(x):
+        with tf.device(names[0]):
+            return tf.matmul(x, weights[0])
+
+    def partly_here(x):  # the second matmul has no tf.device scope: it runs in this process
+        return tf.matmul(only_task_0(x), weights[1], name="unplaced")
+
+    def report(tag, events):
+        rows = [[e.device, e.type, e.start, e.end] for e in events]
+        busy = timeline.busy_fraction(events) if events else {}
+        print(tag, json.dumps({"events": rows, "busy": busy}), flush=True)
+
+    x = tf.ones([512, 512])
+    report("SEQUENTIAL", timeline.trace(one_after_the_other, x))
+    report("PARALLEL", timeline.trace(side_by_side, x, steps=2))
+    report("ONE_DEVICE", timeline.trace(only_task_0, x))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        report("HERE", timeline.trace(partly_here, x))
+    print("WARNED", json.dumps([str(w.message) for w in caught]), flush=True)
+
+    calls = []
+
+    def slow_when_traced():  # the third call (warm-up, timed step, traced step) outlasts the window
+        calls.append(1)
+        if len(calls) == 3:
+            time.sleep(worker_traces.CAPTURE_LEAD_S + worker_traces.CAPTURE_SLACK_S + 2.0)
+        return only_task_0(x)
+
+    def fails_when_traced():
+        calls.append(1)
+        if len(calls) == 3:
+            raise ValueError("boom")
+        return only_task_0(x)
+
+    for tag, fn in (("OVERRUN", slow_when_traced), ("RAISES", fails_when_traced)):
+        calls.clear()
+        try:
+            timeline.trace(fn, placement_of=[])
+        except (RuntimeError, ValueError) as err:
+            left = sorted(p.name for p in Path(sys.argv[1]).iterdir() if p.name.startswith("tutorial_trace_"))
+            print(tag, json.dumps({"error": f"{type(err).__name__}: {err}", "left": left}), flush=True)
+
+    from tutorial_lib import core_devices
+
+    core_devices.workers[1].process.kill()  # a worker that died: its profiler cannot answer
+    core_devices.workers[1].process.wait()
+    try:
+        timeline.trace(only_task_0, x)
+    except RuntimeError as err:
+        print("DEAD", json.dumps(str(err)), flush=True)
 """
 
 
 @pytest.fixture(scope="module")
-def connected():
-    result = _run(CONNECTED)
+def connected(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("traces")
+    result = subprocess.run(_driver(CONNECTED, folder), cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
+    result.folder = folder
     return result
 
 
@@ -153,6 +230,81 @@ def test_worker_logs_are_removed_when_the_kernel_exits(connected):
     ((folder, log_root),) = _tagged(connected.stdout, "LOGS")  # the log root of the kernel's temporary folder
     assert Path(folder).parent == Path(log_root) and Path(log_root).name == cluster.log_root().name
     assert not Path(folder).exists()
+
+
+# --- timelines across the two core devices (timeline.trace), from the same driver -----------
+
+TASK = [f"/job:worker/replica:0/task:{k}/device:CPU:0" for k in range(2)]
+
+
+def _report(connected, tag: str):
+    (report,) = _tagged(connected.stdout, tag)
+    return report
+
+
+def _compute(report, device):
+    """(start, end) of the matmuls and tanhs a device ran (its variable reads may run early)."""
+    return [(s, e) for d, t, s, e in report["events"] if d == device and ("MatMul" in t or t == "Tanh")]
+
+
+@pytest.mark.slow
+def test_a_dependency_chain_runs_on_one_device_after_the_other(connected):
+    report = _report(connected, "SEQUENTIAL")
+    assert {d for d, *_ in report["events"]} == set(TASK)  # both workers' ops, named after their devices
+    first, second = _compute(report, TASK[0]), _compute(report, TASK[1])
+    assert len(first) == len(second) == 12  # 6 matmuls and 6 tanhs each
+    # One clock: task 1 cannot start before task 0's result reached it.
+    assert max(e for _, e in first) <= min(s for s, _ in second)
+    # Strictly sequential, so about one device busy at a time whatever the load.
+    assert 0 < sum(report["busy"].values()) <= 1.15
+
+
+@pytest.mark.slow
+def test_independent_chains_keep_both_devices_busy(connected):
+    report = _report(connected, "PARALLEL")
+    assert {d for d, *_ in report["events"]} == set(TASK)
+    assert all(len(_compute(report, d)) == 2 * 48 for d in TASK)  # 2 steps of 24 matmuls and 24 tanhs
+    assert sum(report["busy"].values()) > 1.3
+
+
+@pytest.mark.slow
+def test_the_profiler_clients_own_messages_stay_out_of_the_output(connected):
+    assert _report(connected, "SEQUENTIAL")  # traces ran...
+    assert "Starting to trace" not in connected.stdout  # ...and TensorFlow's C++ client printed nothing
+
+
+@pytest.mark.slow
+def test_an_idle_worker_is_no_error(connected):
+    report = _report(connected, "ONE_DEVICE")
+    assert {d for d, t, *_ in report["events"] if "MatMul" in t} == {TASK[0]}
+
+
+@pytest.mark.slow
+def test_ops_of_this_process_are_traced_with_a_warning(connected):
+    report = _report(connected, "HERE")
+    assert {d for d, t, *_ in report["events"] if "MatMul" in t} == {TASK[0], "/device:CPU:0"}
+    (warning,) = _report(connected, "WARNED")
+    assert "in this process, on no core device" in warning and "'/device:CPU:0'" in warning
+
+
+@pytest.mark.slow
+def test_a_step_longer_than_the_capture_window_is_refused(connected):
+    report = _report(connected, "OVERRUN")
+    assert report["error"].startswith("RuntimeError") and "would miss ops" in report["error"]
+    assert report["left"] == []
+
+
+@pytest.mark.slow
+def test_fn_raising_under_the_trace_leaves_no_files(connected):
+    assert _report(connected, "RAISES") == {"error": "ValueError: boom", "left": []}
+
+
+@pytest.mark.slow
+def test_tracing_on_a_worker_that_died_is_a_clear_error(connected):
+    # caught before the warm-up: it would fail with gRPC's words, which name no core device
+    dead = _report(connected, "DEAD")
+    assert re.search(r"core device 1 \(pid \d+, core \d+\) exited with status", dead)
+    assert "restart the kernel" in dead
 
 
 # --- a worker that cannot start (in this process: it fails before anything connects) -------
