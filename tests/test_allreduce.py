@@ -100,6 +100,12 @@ def test_ring_inside_tf_function_with_explicit_devices(devs):
     np.testing.assert_allclose(out[1], [11.0, 22.0, 33.0])
 
 
+def test_autograph_converts_all_reduce():
+    # AutoGraph converts the package's functions traced in a tf.function; syntax it cannot
+    # convert (:= for one) printed a warning with a memory address into notebook 04's output.
+    assert "def tf__all_reduce" in tf.autograph.to_code(allreduce.all_reduce)
+
+
 @pytest.mark.parametrize("method", ["ring", "central"])
 def test_all_reduce_is_the_checked_entry_to_every_method(devs, method):
     values = [[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]]

@@ -206,8 +206,8 @@ def all_reduce(tensors, method: str = "ring", average: bool = False, devices=Non
         raise ValueError(f"average=True needs a floating dtype, got {tensors[0].dtype.name}; sum with average=False.")
     if method == "auto":
         method = auto_method(devices)
-    if method == "nccl" and (problem := _nccl_problem(devices)):
-        raise RuntimeError(problem)
+    if method == "nccl" and _nccl_problem(devices):  # no := here: AutoGraph cannot convert it
+        raise RuntimeError(_nccl_problem(devices))
     summed = ALL_SUMS[method](tensors, devices)
     if not average:
         return summed
