@@ -360,14 +360,18 @@ def test_workers_that_never_get_ready_are_a_clear_error_and_are_stopped(monkeypa
     assert core_devices.workers == []
 
 
-# --- faults after start: a dead worker, a frozen one -------------
+# --- faults after start: a dead worker, a frozen one, Ctrl-C, a killed kernel -------------
+# One driver, four core devices: 3 is killed, 2 frozen (as by SIGSTOP or Ctrl-Z), 1 frozen while
+# a Ctrl-C (SIGINT to the driver) comes during its op; 0 must outlive the refusal, then die
+# with the driver when the test SIGKILLs it.
 
-RUN_ON = """
+FAULTS = """
     import json, os, signal, sys, threading, time
     from tutorial_lib import core_devices, devices
 
-    names = devices.simulate(2, kind="cores")
+    names = devices.simulate(4, kind="cores")
     import tensorflow as tf
+    pids = [w.process.pid for w in core_devices.workers]
 
     def run_on(task):
         start = time.monotonic()
@@ -379,34 +383,13 @@ RUN_ON = """
             ended = type(err).__name__
         return [ended, time.monotonic() - start]
 
-    def refused():
-        try:
-            devices.simulate(2, kind="cores")
-        except RuntimeError as err:
-            print("REFUSED", json.dumps(str(err)), flush=True)
-"""
+    os.kill(pids[3], signal.SIGKILL)  # it dies before its first op
+    core_devices.workers[3].process.wait()
+    print("DEAD", json.dumps(run_on(3)), flush=True)
+    os.kill(pids[2], signal.SIGSTOP)
+    print("FROZEN", json.dumps(run_on(2)), flush=True)
 
-DEAD = (
-    RUN_ON
-    + """
-    worker = core_devices.workers[1]
-    os.kill(worker.process.pid, signal.SIGKILL)  # it dies before its first op
-    worker.process.wait()
-    print("ENDED", json.dumps(run_on(1)), flush=True)
-    refused()
-    print("ALIVE", json.dumps(core_devices.workers[0].process.pid), flush=True)
-    time.sleep(600)  # until the test kills this process
-"""
-)
-
-# Frozen, as by SIGSTOP (or Ctrl-Z): worker 1 alone, then worker 0 with a Ctrl-C (SIGINT to this
-# process) while its op waits.
-FROZEN = (
-    RUN_ON
-    + """
-    os.kill(core_devices.workers[1].process.pid, signal.SIGSTOP)
-    print("ENDED", json.dumps(run_on(1)), flush=True)
-    os.kill(core_devices.workers[0].process.pid, signal.SIGSTOP)
+    os.kill(pids[1], signal.SIGSTOP)
     start, seen = time.monotonic(), threading.Event()
 
     def interrupt_once(signum, frame):  # as Python's own handler, but later presses do nothing
@@ -421,16 +404,44 @@ FROZEN = (
     threading.Thread(target=press_ctrl_c, daemon=True).start()
     returned = interrupted = None
     try:  # the KeyboardInterrupt comes once the op returns: from it, or just after it
-        returned = run_on(0)
+        returned = run_on(1)
         time.sleep(10)
     except KeyboardInterrupt:
         interrupted = time.monotonic() - start
     seen.set()
     print("INTERRUPTED", json.dumps(interrupted), flush=True)  # outside the try: an interrupt
     print("RETURNED", json.dumps(returned), flush=True)  # inside a print would cut its line
-    refused()
+
+    try:
+        devices.simulate(4, kind="cores")
+    except RuntimeError as err:
+        print("REFUSED", json.dumps(str(err)), flush=True)
+    print("ALIVE", json.dumps(pids[0]), flush=True)
+    time.sleep(600)  # until the test kills this process
 """
-)
+
+
+@pytest.fixture(scope="module")
+def faults():
+    """The driver's output up to ALIVE, and whether worker 0 outlived the driver's SIGKILL."""
+    driver = subprocess.Popen(_driver(FAULTS), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out = ""
+        while not _tagged(out, "ALIVE"):  # then the driver sleeps
+            line = driver.stdout.readline()
+            assert line, f"the driver ended early: {out}{driver.stderr.read()[-3000:]}"
+            out += line
+        (survivor,) = _tagged(out, "ALIVE")
+        assert _alive(survivor), out
+        os.kill(driver.pid, signal.SIGKILL)  # no Python code runs: only PR_SET_PDEATHSIG can help
+        driver.wait()
+        return out, _still_alive([survivor])
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+            driver.wait()
+        driver.stdout.close()
+        driver.stderr.close()
 
 
 def _ends_in_an_error_within_the_limit(ended):
@@ -438,42 +449,39 @@ def _ends_in_an_error_within_the_limit(ended):
     assert ended[0] == "UnavailableError" and ended[1] < core_devices.FROZEN_LIMIT_S + 30, ended
 
 
-@linux_only
-@pytest.mark.slow
-def test_a_dead_worker_ends_its_op_in_an_error_and_simulate_refuses_it_and_the_other_dies_with_the_killed_kernel():
-    driver = subprocess.Popen(_driver(DEAD), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    try:
-        out = ""
-        while not _tagged(out, "ALIVE"):  # then the driver sleeps
-            line = driver.stdout.readline()
-            assert line, f"the driver ended early: {out}"
-            out += line
-        (survivor,) = _tagged(out, "ALIVE")
-        assert _alive(survivor)
-        os.kill(driver.pid, signal.SIGKILL)  # no Python code runs: only PR_SET_PDEATHSIG can help
-        driver.wait()
-        assert _still_alive([survivor]) == []
-    finally:
-        if driver.poll() is None:
-            driver.kill()
-            driver.wait()
-        driver.stdout.close()
-    _ends_in_an_error_within_the_limit(*_tagged(out, "ENDED"))
+def _refused(out: str, task: int, what: str) -> None:
     (refused,) = _tagged(out, "REFUSED")
-    assert re.search(r"core device 1 \(pid \d+, core \d+\) exited with status -9", refused), refused
+    assert re.search(rf"core device {task} \(pid \d+, core \d+\) {re.escape(what)}", refused), refused
     assert "restart the kernel" in refused
 
 
 @linux_only
 @pytest.mark.slow
-def test_a_frozen_worker_ends_its_op_in_an_error_ctrl_c_stops_the_wait_and_simulate_refuses_it():
-    result = subprocess.run(_driver(FROZEN), cwd=ROOT, capture_output=True, text=True, timeout=120)
-    out = result.stdout
-    assert _tagged(out, "REFUSED"), out + result.stderr[-2000:]
-    _ends_in_an_error_within_the_limit(*_tagged(out, "ENDED"))
+def test_a_dead_worker_ends_its_op_in_an_error_and_simulate_refuses_it(faults):
+    out, _ = faults
+    _ends_in_an_error_within_the_limit(*_tagged(out, "DEAD"))
+    _refused(out, 3, "exited with status -9")
+
+
+@linux_only
+@pytest.mark.slow
+def test_a_frozen_worker_ends_its_op_in_an_error_and_simulate_refuses_it(faults):
+    out, _ = faults
+    _ends_in_an_error_within_the_limit(*_tagged(out, "FROZEN"))
+    _refused(out, 2, "was frozen (stopped) for 3 s and was killed")
+
+
+@linux_only
+@pytest.mark.slow
+def test_ctrl_c_stops_the_wait_for_a_frozen_worker(faults):
+    out, _ = faults
     (interrupted,) = _tagged(out, "INTERRUPTED")  # seconds to the KeyboardInterrupt; before the watcher, 90
-    assert interrupted is not None and interrupted < core_devices.FROZEN_LIMIT_S + 30, out + result.stderr[-3000:]
-    (refused,) = _tagged(out, "REFUSED")
-    frozen = "was frozen (stopped) for 3 s and was killed"
-    assert re.search(rf"core device 1 \(pid \d+, core \d+\) {re.escape(frozen)}", refused), refused
-    assert "restart the kernel" in refused
+    assert interrupted is not None and interrupted < core_devices.FROZEN_LIMIT_S + 30, out
+    _refused(out, 1, "was frozen (stopped) for 3 s and was killed")
+
+
+@linux_only
+@pytest.mark.slow
+def test_the_last_worker_dies_with_a_killed_kernel(faults):
+    _, survivors = faults
+    assert survivors == []
