@@ -10,9 +10,7 @@ in this process: nothing connects to them.
 """
 
 import json
-import os
 import re
-import signal
 import socket
 import subprocess
 import sys
@@ -29,16 +27,16 @@ DEADLINE_S = 10.0  # how long stopped workers may take to disappear
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc to find live workers")
 
 
-def _driver(code: str, *args) -> list[str]:
+def driver(code: str, *args) -> list[str]:
     return [sys.executable, "-c", textwrap.dedent(code), *map(str, args)]
 
 
-def _tagged(stdout: str, tag: str) -> list:
+def tagged(stdout: str, tag: str) -> list:
     """The JSON values of every line 'TAG value' the driver printed."""
     return [json.loads(line.split(" ", 1)[1]) for line in stdout.splitlines() if line.startswith(tag + " ")]
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
     """Whether a worker with this pid still runs (a zombie has finished; a reused pid runs another program)."""
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
@@ -48,11 +46,11 @@ def _alive(pid: int) -> bool:
     return state != "Z" and command.startswith(sys.executable.encode())
 
 
-def _still_alive(pids, within: float = DEADLINE_S) -> list[int]:
+def still_alive(pids, within: float = DEADLINE_S) -> list[int]:
     end = time.monotonic() + within
-    while any(_alive(p) for p in pids) and time.monotonic() < end:
+    while any(alive(p) for p in pids) and time.monotonic() < end:
         time.sleep(0.1)
-    return [p for p in pids if _alive(p)]
+    return [p for p in pids if alive(p)]
 
 
 # --- which core each device gets (no processes) ------------------------------------------
@@ -186,7 +184,7 @@ CONNECTED = """
 @pytest.fixture(scope="module")
 def connected(tmp_path_factory):
     folder = tmp_path_factory.mktemp("traces")
-    result = subprocess.run(_driver(CONNECTED, folder), cwd=ROOT, capture_output=True, text=True, timeout=300)
+    result = subprocess.run(driver(CONNECTED, folder), cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     result.folder = folder
     return result
@@ -194,7 +192,7 @@ def connected(tmp_path_factory):
 
 @pytest.mark.slow
 def test_core_devices_compute_across_worker_tasks(connected):
-    (result,) = _tagged(connected.stdout, "RESULT")
+    (result,) = tagged(connected.stdout, "RESULT")
     task = [f"/job:worker/replica:0/task:{k}/device:CPU:0" for k in range(2)]
     assert result["names"] == task
     assert (result["product"], result["total"]) == (task[0], task[1])
@@ -204,14 +202,14 @@ def test_core_devices_compute_across_worker_tasks(connected):
 
 @pytest.mark.slow
 def test_simulate_cores_twice_returns_the_same_devices(connected):
-    (result,) = _tagged(connected.stdout, "RESULT")
-    assert _tagged(connected.stdout, "AGAIN") == [result["names"]]
+    (result,) = tagged(connected.stdout, "RESULT")
+    assert tagged(connected.stdout, "AGAIN") == [result["names"]]
     assert connected.stdout.count("2 core CPU device(s)") == 2  # announced both times
 
 
 @pytest.mark.slow
 def test_another_count_or_model_says_restart(connected):
-    other_count, other_model = _tagged(connected.stdout, "REFUSED")
+    other_count, other_model = tagged(connected.stdout, "REFUSED")
     assert "2 core devices; it cannot switch to 3 core devices" in other_count
     assert "Restart the kernel" in other_count and "simulate(3, kind='cores')" in other_count
     assert "cannot switch to 2 CPU devices" in other_model and "Restart the kernel" in other_model
@@ -220,14 +218,14 @@ def test_another_count_or_model_says_restart(connected):
 @pytest.mark.slow
 @linux_only
 def test_workers_end_when_the_kernel_exits(connected):
-    (pids,) = _tagged(connected.stdout, "PIDS")
+    (pids,) = tagged(connected.stdout, "PIDS")
     assert len(pids) == 2
-    assert _still_alive(pids) == []
+    assert still_alive(pids) == []
 
 
 @pytest.mark.slow
 def test_worker_logs_are_removed_when_the_kernel_exits(connected):
-    ((folder, log_root),) = _tagged(connected.stdout, "LOGS")  # the log root of the kernel's temporary folder
+    ((folder, log_root),) = tagged(connected.stdout, "LOGS")  # the log root of the kernel's temporary folder
     assert Path(folder).parent == Path(log_root) and Path(log_root).name == cluster.log_root().name
     assert not Path(folder).exists()
 
@@ -238,7 +236,7 @@ TASK = [f"/job:worker/replica:0/task:{k}/device:CPU:0" for k in range(2)]
 
 
 def _report(connected, tag: str):
-    (report,) = _tagged(connected.stdout, tag)
+    (report,) = tagged(connected.stdout, tag)
     return report
 
 
@@ -358,130 +356,3 @@ def test_workers_that_never_get_ready_are_a_clear_error_and_are_stopped(monkeypa
         core_devices.start(2)
     assert [p.poll() is not None for p in spawned] == [True, True]
     assert core_devices.workers == []
-
-
-# --- faults after start: a dead worker, a frozen one, Ctrl-C, a killed kernel -------------
-# One driver, four core devices: 3 is killed, 2 frozen (as by SIGSTOP or Ctrl-Z), 1 frozen while
-# a Ctrl-C (SIGINT to the driver) comes during its op; 0 must outlive the refusal, then die
-# with the driver when the test SIGKILLs it.
-
-FAULTS = """
-    import json, os, signal, sys, threading, time
-    from tutorial_lib import core_devices, devices
-
-    names = devices.simulate(4, kind="cores")
-    import tensorflow as tf
-    pids = [w.process.pid for w in core_devices.workers]
-
-    def run_on(task):
-        start = time.monotonic()
-        try:
-            with tf.device(names[task]):
-                float(tf.reduce_sum(tf.ones([2, 2]) * 2))
-            ended = "ran"
-        except tf.errors.OpError as err:
-            ended = type(err).__name__
-        return [ended, time.monotonic() - start]
-
-    os.kill(pids[3], signal.SIGKILL)  # it dies before its first op
-    core_devices.workers[3].process.wait()
-    print("DEAD", json.dumps(run_on(3)), flush=True)
-    os.kill(pids[2], signal.SIGSTOP)
-    print("FROZEN", json.dumps(run_on(2)), flush=True)
-
-    os.kill(pids[1], signal.SIGSTOP)
-    start, seen = time.monotonic(), threading.Event()
-
-    def interrupt_once(signum, frame):  # as Python's own handler, but later presses do nothing
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        raise KeyboardInterrupt
-
-    def press_ctrl_c():  # every 0.5 s until the interrupt is seen (under load, once, none was)
-        while not seen.wait(0.5):
-            os.kill(os.getpid(), signal.SIGINT)
-
-    signal.signal(signal.SIGINT, interrupt_once)
-    threading.Thread(target=press_ctrl_c, daemon=True).start()
-    returned = interrupted = None
-    try:  # the KeyboardInterrupt comes once the op returns: from it, or just after it
-        returned = run_on(1)
-        time.sleep(10)
-    except KeyboardInterrupt:
-        interrupted = time.monotonic() - start
-    seen.set()
-    print("INTERRUPTED", json.dumps(interrupted), flush=True)  # outside the try: an interrupt
-    print("RETURNED", json.dumps(returned), flush=True)  # inside a print would cut its line
-
-    try:
-        devices.simulate(4, kind="cores")
-    except RuntimeError as err:
-        print("REFUSED", json.dumps(str(err)), flush=True)
-    print("ALIVE", json.dumps(pids[0]), flush=True)
-    time.sleep(600)  # until the test kills this process
-"""
-
-
-@pytest.fixture(scope="module")
-def faults():
-    """The driver's output up to ALIVE, and whether worker 0 outlived the driver's SIGKILL."""
-    driver = subprocess.Popen(_driver(FAULTS), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        out = ""
-        while not _tagged(out, "ALIVE"):  # then the driver sleeps
-            line = driver.stdout.readline()
-            assert line, f"the driver ended early: {out}{driver.stderr.read()[-3000:]}"
-            out += line
-        (survivor,) = _tagged(out, "ALIVE")
-        assert _alive(survivor), out
-        os.kill(driver.pid, signal.SIGKILL)  # no Python code runs: only PR_SET_PDEATHSIG can help
-        driver.wait()
-        return out, _still_alive([survivor])
-    finally:
-        if driver.poll() is None:
-            driver.kill()
-            driver.wait()
-        driver.stdout.close()
-        driver.stderr.close()
-
-
-def _ends_in_an_error_within_the_limit(ended):
-    # Before, the dead worker's op waited 120 s and the frozen one's 100 s and more.
-    assert ended[0] == "UnavailableError" and ended[1] < core_devices.FROZEN_LIMIT_S + 30, ended
-
-
-def _refused(out: str, task: int, what: str) -> None:
-    (refused,) = _tagged(out, "REFUSED")
-    assert re.search(rf"core device {task} \(pid \d+, core \d+\) {re.escape(what)}", refused), refused
-    assert "restart the kernel" in refused
-
-
-@linux_only
-@pytest.mark.slow
-def test_a_dead_worker_ends_its_op_in_an_error_and_simulate_refuses_it(faults):
-    out, _ = faults
-    _ends_in_an_error_within_the_limit(*_tagged(out, "DEAD"))
-    _refused(out, 3, "exited with status -9")
-
-
-@linux_only
-@pytest.mark.slow
-def test_a_frozen_worker_ends_its_op_in_an_error_and_simulate_refuses_it(faults):
-    out, _ = faults
-    _ends_in_an_error_within_the_limit(*_tagged(out, "FROZEN"))
-    _refused(out, 2, "was frozen (stopped) for 3 s and was killed")
-
-
-@linux_only
-@pytest.mark.slow
-def test_ctrl_c_stops_the_wait_for_a_frozen_worker(faults):
-    out, _ = faults
-    (interrupted,) = _tagged(out, "INTERRUPTED")  # seconds to the KeyboardInterrupt; before the watcher, 90
-    assert interrupted is not None and interrupted < core_devices.FROZEN_LIMIT_S + 30, out
-    _refused(out, 1, "was frozen (stopped) for 3 s and was killed")
-
-
-@linux_only
-@pytest.mark.slow
-def test_the_last_worker_dies_with_a_killed_kernel(faults):
-    _, survivors = faults
-    assert survivors == []
