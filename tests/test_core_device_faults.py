@@ -114,18 +114,14 @@ def _refused(out: str, task: int, what: str) -> None:
 
 @linux_only
 @pytest.mark.slow
-def test_a_dead_worker_ends_its_op_in_an_error_and_simulate_refuses_it(faults):
+@pytest.mark.parametrize(
+    "tag, task, refusal",
+    [("DEAD", 3, "exited with status -9"), ("FROZEN", 2, "was frozen (stopped) for 3 s and was killed")],
+)
+def test_a_dead_or_frozen_worker_ends_its_op_in_an_error_and_simulate_refuses_it(faults, tag, task, refusal):
     out, _ = faults
-    _ends_in_an_error_within_the_limit(*tagged(out, "DEAD"))
-    _refused(out, 3, "exited with status -9")
-
-
-@linux_only
-@pytest.mark.slow
-def test_a_frozen_worker_ends_its_op_in_an_error_and_simulate_refuses_it(faults):
-    out, _ = faults
-    _ends_in_an_error_within_the_limit(*tagged(out, "FROZEN"))
-    _refused(out, 2, "was frozen (stopped) for 3 s and was killed")
+    _ends_in_an_error_within_the_limit(*tagged(out, tag))
+    _refused(out, task, refusal)
 
 
 @linux_only
