@@ -159,13 +159,16 @@ def allreduce_grads(all_grads, average=True, method="ring", devices=None):
 
 # lesson: 03_nccl_allreduce
 def make_replicas(make_model, devices):
-    """One model per device, made under its device, all with the first one's initial values (the broadcast)."""
+    """One model per device, made under its device (every variable, Keras' dropout seed state too, is created
+    there), all with the first one's initial weights (the broadcast). Keras' seed state is not copied: each
+    replica draws its own dropout masks, as each GPU's share of the batch should."""
     replicas = []
     for device in devices:
         with tf.device(device):
             replicas.append(make_model())
     for replica in replicas[1:]:
-        for v, first in zip(replica.variables, replicas[0].variables, strict=True):
+        weights = getattr(replica, "weights", replica.variables)  # a Keras model's weights leave out seed states
+        for v, first in zip(weights, getattr(replicas[0], "weights", replicas[0].variables), strict=True):
             v.assign(first)
     return replicas
 
@@ -259,6 +262,13 @@ def sync_batch_norm(layers, devices, hs, all_sum):
 
 
 # lesson: 04_sync_batchnorm
+def holds_batch_norm(model):
+    """Does a model hold a BatchNormalization among its layers, at any depth?"""
+    inner = getattr(model, "layers", [])
+    return any(isinstance(layer, keras.layers.BatchNormalization) or holds_batch_norm(layer) for layer in inner)
+
+
+# lesson: 04_sync_batchnorm
 def replicated_forward(replicas, devices, xs, all_sum):
     """Each Sequential replica's training forward on its share xs[i], layer by layer: the replicas'
     BatchNormalization layers by sync_batch_norm, every other layer as Keras runs it."""
@@ -267,12 +277,18 @@ def replicated_forward(replicas, devices, xs, all_sum):
                         f"{type(replicas[0]).__name__}: build the model as keras.Sequential([...]).")  # fmt: skip
     hs = list(xs)
     for layers in zip(*(replica.layers for replica in replicas), strict=True):
-        if isinstance(layers[0], keras.layers.BatchNormalization):
+        first = layers[0]
+        if isinstance(first, keras.Sequential):  # a block of layers: walked in turn, its BN synchronized too
+            hs = replicated_forward(layers, devices, hs, all_sum)
+        elif isinstance(first, keras.layers.BatchNormalization) and first.trainable:
             hs = sync_batch_norm(layers, devices, hs, all_sum)
-            continue
-        for i, (layer, device) in enumerate(zip(layers, devices, strict=True)):
-            with tf.device(device):
-                hs[i] = layer(hs[i], training=True)
+        elif holds_batch_norm(first):  # inside another kind of model, it would stay per-device: refuse
+            raise TypeError(f"{first.name} ({type(first).__name__}) holds a BatchNormalization that replicated_"
+                            "forward cannot reach: build that block as keras.Sequential([...]).")  # fmt: skip
+        else:  # a frozen BatchNormalization (trainable=False) too: Keras then uses its moving statistics
+            for i, (layer, device) in enumerate(zip(layers, devices, strict=True)):
+                with tf.device(device):
+                    hs[i] = layer(hs[i], training=True)
     return hs
 
 
@@ -283,21 +299,27 @@ def make_sync_bn_train_step(replicas, devices, optimizers, method="ring"):
     allreduce_grads, and each replica's own optimizer applied on its device. Returns the batch's loss.
 
     Why a sum: the statistics mix every replica's examples, so the loss depends on every replica's copy of
-    a weight, and its gradient by the (shared) weight is the sum of its gradients by the copies."""
-    n = len(devices)
+    a weight, and its gradient by the (shared) weight is the sum of its gradients by the copies.
+
+    Why tf.gradients, not a GradientTape: it builds each gradient op beside the forward op it differentiates,
+    so every replica's backward pass runs on the replica's device, and NCCL's registered gradient (another
+    all-reduce) gets the real op. A tape builds the whole backward pass under the device scope of its
+    gradient() call, here none (device 0), and hands that gradient a stand-in op without a device."""
+    n, k = len(devices), len(replicas[0].trainable_variables)
 
     @tf.function
     def step(x, y):
-        with tf.GradientTape() as tape:
-            logits = replicated_forward(replicas, devices, tf.split(x, n), ALL_SUMS[method])
-            parts = []
-            for device, replica, lg, ys in zip(devices, replicas, logits, tf.split(y, n), strict=True):
-                with tf.device(device):
-                    per_example = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=ys, logits=lg)
-                    examples = tf.cast(tf.shape(y)[0], per_example.dtype)
-                    parts.append(tf.reduce_sum(per_example) / examples + sum(replica.losses) / n)  # regularizers once
-            loss = tf.add_n(parts)
-        grads = tape.gradient(loss, [replica.trainable_variables for replica in replicas])
+        logits = replicated_forward(replicas, devices, tf.split(x, n), ALL_SUMS[method])
+        parts = []
+        for device, replica, lg, ys in zip(devices, replicas, logits, tf.split(y, n), strict=True):
+            with tf.device(device):
+                per_example = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=ys, logits=lg)
+                examples = tf.cast(tf.shape(y)[0], per_example.dtype)
+                parts.append(tf.reduce_sum(per_example) / examples + sum(replica.losses) / n)  # regularizers once
+        loss = tf.add_n(parts)
+        weights = [v.value for replica in replicas for v in replica.trainable_variables]  # Keras' tf.Variables
+        flat = tf.gradients(loss, weights)  # ONE backward pass over every replica
+        grads = [flat[i * k : (i + 1) * k] for i in range(n)]  # K replicas x N gradients
         grads = allreduce_grads(grads, average=False, method=method, devices=devices)
         for device, replica, optimizer, g in zip(devices, replicas, optimizers, grads, strict=True):
             with tf.device(device):

@@ -13,13 +13,16 @@ from .allreduce import allreduce_grads
 
 # lesson: 03_nccl_allreduce
 def make_replicas(make_model, devices):
-    """One model per device, made under its device, all with the first one's initial values (the broadcast)."""
+    """One model per device, made under its device (every variable, Keras' dropout seed state too, is created
+    there), all with the first one's initial weights (the broadcast). Keras' seed state is not copied: each
+    replica draws its own dropout masks, as each GPU's share of the batch should."""
     replicas = []
     for device in devices:
         with tf.device(device):
             replicas.append(make_model())
     for replica in replicas[1:]:
-        for v, first in zip(replica.variables, replicas[0].variables, strict=True):
+        weights = getattr(replica, "weights", replica.variables)  # a Keras model's weights leave out seed states
+        for v, first in zip(weights, getattr(replicas[0], "weights", replicas[0].variables), strict=True):
             v.assign(first)
     return replicas
 

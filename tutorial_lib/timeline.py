@@ -31,6 +31,11 @@ PHASE_COLORS = dict(
 _REDUCE_SCOPE = re.compile("(average_gradients|(central_|ring_|nccl_)?all_reduce|allreduce)(_[0-9]+)?")
 
 
+def is_communication(op_name: str) -> bool:
+    """Is the op part of gradient averaging or an all-reduce, by one of its name scopes?"""
+    return any(_REDUCE_SCOPE.fullmatch(part) for part in op_name.split("/"))
+
+
 @dataclass(frozen=True)
 class Event:
     device: str
@@ -43,7 +48,7 @@ class Event:
     def phase(self) -> str:
         """forward, backward (built by GradientTape), reduce (averaging or all-reduce of
         gradients, by name scope), update (variable writes) or other (reads, copies)."""
-        if "Collective" in self.type or any(_REDUCE_SCOPE.fullmatch(part) for part in self.op.split("/")):
+        if "Collective" in self.type or is_communication(self.op):
             return "reduce"
         if "gradient_tape" in self.op or "backward" in self.op or "Grad" in self.type:
             return "backward"
