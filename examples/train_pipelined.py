@@ -170,7 +170,8 @@ def make_train_steps(stages, devices, orders, loss_fn, learning_rate=None, optim
             loss, grads = pipelined_gradients(stages, devices, orders, x, y, loss_fn, wait_for_arrival, applied)
             applied = update_stages(stages, devices, grads, learning_rate, optimizers)  # the next step waits for these
             losses.append(loss)
-        return tf.stack(losses)
+        with tf.device(devices[-1]):  # where the losses are
+            return tf.stack(losses)
 
     return train_steps
 
@@ -192,15 +193,16 @@ def build_stages(devices, input_shape):
     build. keras.Input replaces `input_shape=`; padding="same": an 8x8 digit is too small for "valid"."""
     keras.utils.set_random_seed(0)
     same = {"activation": "relu", "padding": "same"}
-    b = [
-        [Conv2D(32, (3, 3), **same), Conv2D(64, (3, 3), **same), MaxPooling2D((2, 2))],
-        [Conv2D(128, (3, 3), **same), MaxPooling2D((2, 2)), Conv2D(64, (3, 3), **same), MaxPooling2D((2, 2))],
-        [Dropout(0.25), Flatten(), Dense(1500, activation="relu"), Dropout(0.5), Dense(10, activation="softmax")],
-    ]
-    groups, stages, shape = {1: [b[0] + b[1] + b[2]], 2: [b[0], b[1] + b[2]], 3: b}[len(devices)], [], input_shape
-    for device, layers in zip(devices, groups, strict=True):
-        with tf.device(device):
-            stages.append(keras.Sequential([keras.Input(shape), *layers]))
+    blocks = [  # made when called: a layer built from a list made outside tf.device keeps state outside it
+        lambda: [Conv2D(32, (3, 3), **same), Conv2D(64, (3, 3), **same), MaxPooling2D((2, 2))],
+        lambda: [Conv2D(128, (3, 3), **same), MaxPooling2D((2, 2)), Conv2D(64, (3, 3), **same), MaxPooling2D((2, 2))],
+        lambda: [Dropout(0.25), Flatten(), Dense(1500, activation="relu"), Dropout(0.5),
+                 Dense(10, activation="softmax")],
+    ]  # fmt: skip
+    groups, stages, shape = {1: [(0, 1, 2)], 2: [(0,), (1, 2)], 3: [(0,), (1,), (2,)]}[len(devices)], [], input_shape
+    for device, group in zip(devices, groups, strict=True):
+        with tf.device(device):  # Keras creates Dropout's seed state when the layer is made: here, not outside
+            stages.append(keras.Sequential([keras.Input(shape), *(layer for b in group for layer in blocks[b]())]))
         shape = stages[-1].compute_output_shape((None, *shape))[1:]
     return stages
 

@@ -7,9 +7,9 @@ optimizer state (step counter, slots) and random-seed state. Every op then gets 
 - an op that reads or writes a variable: the variable's owner (TensorFlow runs it beside the variable);
 - a gradient op (built by `GradientTape` or `tf.gradients`): the device of the forward op it
   differentiates, whose tensors it reads;
-- an op of an all-reduce (by name scope, or a collective or NCCL type): any owner, since it moves
-  data between them;
-- any other op: a device that one of its inputs belongs to (a copy to the next device is fine).
+- an op of an all-reduce (by name scope, or a collective or NCCL type), and a copy (`tf.identity`):
+  any owner, since it moves data between them;
+- any other op: a device that one of its inputs belongs to.
 
 Ops fed only by the batch and constants (the split of the batch) have no owner and are not checked.
 
@@ -35,6 +35,7 @@ from .devices import normalize
 _TAPE = re.compile(r"(?:^|/)gradient_tape/(?P<rest>.+)$")
 _GRADIENTS = re.compile(r"(?:^|/)gradients(?:_\d+)?/(?P<rest>.+)$")
 _COMMUNICATION_TYPES = ("NcclAllReduce", "CollectiveReduce", "CollectiveGather", "CollectiveAllToAll")
+_COPY_TYPES = ("Identity", "IdentityN")
 
 
 @dataclass(frozen=True)
@@ -109,15 +110,16 @@ def _where(op, beside, ran: dict[str, str], run: bool, default: str) -> str | No
 
 
 def _check_ops(graph, captured: dict[str, str], devices: set[str], where) -> Report:
-    ops = graph.get_operations()
-    by_name = {op.name: op for op in ops}
+    returned = {t.op.name for t in graph.outputs}  # handed to the caller, wherever it runs
+    ops = [op for op in graph.get_operations() if op.name not in returned]
+    scopes = _scopes(ops)
     home: dict[str, str | None] = dict(captured)  # the device each owned op belongs to
     report = Report(0, 0)
     for op in ops:  # in creation order: inputs before their consumers
         if op.name in captured or op.type in ("Placeholder", "Const", "NoOp"):
             continue
         variables = {captured[t.op.name] for t in op.inputs if t.op.name in captured}
-        allowed = set(variables) or _allowed(op, by_name, home, devices, where)
+        allowed = set(variables) or _allowed(op, scopes, home, devices, where)
         device = where(op, next(iter(variables), None))
         if not allowed or device is None:  # not owned, or optimized away by the run
             home[op.name] = next(iter(allowed)) if len(allowed) == 1 else None
@@ -131,30 +133,46 @@ def _check_ops(graph, captured: dict[str, str], devices: set[str], where) -> Rep
     return report
 
 
-def _allowed(op, by_name, home, devices, where) -> set[str]:
+def _allowed(op, scopes, home, devices, where) -> set[str]:
     """The devices an op that touches no variable may run on (empty: not checked)."""
-    if op.type.startswith(_COMMUNICATION_TYPES) or timeline.is_communication(op.name):
+    if op.type.startswith(_COMMUNICATION_TYPES) or op.type in _COPY_TYPES or timeline.is_communication(op.name):
         return set(devices)
-    forward = _forward_op(op.name, by_name)
+    forward = _forward_ops(op.name, scopes)
     if forward is not None:
-        return {where(forward)} - {None} if home.get(forward.name) else set()
+        return {where(f) for f in forward if home.get(f.name)} - {None}
     return {home[t.op.name] for t in op.inputs if home.get(t.op.name)}
 
 
-def _forward_op(name: str, by_name: dict):
-    """The forward op that a gradient op named `name` differentiates, or None."""
-    for pattern, suffix in ((_TAPE, ""), (_GRADIENTS, "_grad")):
-        match = pattern.search(name)
-        if match:
-            parts = match["rest"].split("/")
-            for end in range(len(parts), 0, -1):
-                candidate = "/".join(parts[:end])
-                if suffix and not candidate.endswith(suffix):
-                    continue
-                forward = by_name.get(candidate[: len(candidate) - len(suffix)])
-                if forward is not None and forward.name != name:
-                    return forward
+def _forward_ops(name: str, scopes: dict) -> list | None:
+    """The forward ops that a gradient op named `name` differentiates, or None if it is no gradient op.
+    tf.gradients names it `gradients/<forward op>_grad/...`: that op. A tape names it
+    `gradient_tape/<the forward op's name scope>/...`: the ops of that scope (the op named like the
+    scope, as `conv2d/convolution`, or the ops inside it)."""
+    match = _GRADIENTS.search(name)
+    if match:
+        parts = match["rest"].split("/")
+        for end in range(len(parts), 0, -1):
+            candidate = "/".join(parts[:end])
+            if candidate.endswith("_grad") and candidate[:-5] in scopes["ops"]:
+                return [scopes["ops"][candidate[:-5]]]
+    match = _TAPE.search(name)
+    if match:
+        parts = match["rest"].split("/")[:-1]
+        for end in range(len(parts), 0, -1):
+            scope = "/".join(parts[:end])
+            found = [scopes["ops"][scope]] if scope in scopes["ops"] else scopes["inside"].get(scope, [])
+            if found:
+                return found
     return None
+
+
+def _scopes(ops) -> dict:
+    """{"ops": name -> op, "inside": name scope -> the ops directly in it}, for the forward ops."""
+    forward = [op for op in ops if not (_TAPE.search(op.name) or _GRADIENTS.search(op.name))]
+    inside: dict[str, list] = {}
+    for op in forward:
+        inside.setdefault(op.name.rpartition("/")[0], []).append(op)
+    return {"ops": {op.name: op for op in forward}, "inside": inside}
 
 
 def _check_variables(owners, report: Report) -> None:

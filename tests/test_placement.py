@@ -1,0 +1,200 @@
+"""The placement audit: every training step the course teaches keeps each op and variable on its owner's
+device, traced with /GPU:i names (no GPU needed) and run on logical CPUs; each planted defect is named."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from test_train_multi_gpu import example  # noqa: E402 (tests/ is on sys.path)
+from test_train_pipelined import example as pipelined  # noqa: E402
+
+from tutorial_lib import allreduce, models, pipeline, placement, replicated
+from tutorial_lib.strategy import mirrored_strategy, mirrored_train_step
+
+GPUS = [f"/GPU:{i}" for i in range(8)]
+
+
+def _sync_bn(devices, make_optimizer=lambda: keras.optimizers.Adam(1e-3)):
+    keras.utils.set_random_seed(0)
+    replicas = example.make_replicas(lambda: example.make_cnn((8, 8, 1)), devices)
+    optimizers = example.replica_optimizers(replicas, devices, make_optimizer)
+    owners = {d: [*r.variables, *o.variables] for d, r, o in zip(devices, replicas, optimizers, strict=True)}
+    return replicas, optimizers, owners
+
+
+def _batch(n=8):
+    return tf.random.stateless_normal([n, 8, 8, 1], [0, 1]), tf.constant(np.arange(n) % 10, tf.int32)
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 8])
+def test_the_nccl_sync_bn_step_traces_on_gpu_names_with_every_op_on_its_replica(n):
+    replicas, optimizers, owners = _sync_bn(GPUS[:n])
+    step = example.make_sync_bn_train_step(replicas, GPUS[:n], optimizers, "nccl")
+    report = placement.audit(step, *_batch(2 * n), owners=owners)
+    assert report.ok and report.ops_checked > 500, report
+    graph = step.get_concrete_function(*_batch(2 * n)).graph
+    nccl = [op.device for op in graph.get_operations() if op.type == "NcclAllReduce"]
+    # Per GPU: each BN layer's statistics forward and backward (2 x 2), and one per trainable variable (8).
+    assert sorted(nccl) == sorted(d for d in [f"/device:GPU:{i}" for i in range(n)] for _ in range(12))
+
+
+def test_the_sync_bn_step_runs_with_every_op_and_variable_on_its_replica(devs):
+    replicas, optimizers, owners = _sync_bn(devs[:2])
+    step = example.make_sync_bn_train_step(replicas, devs[:2], optimizers)
+    report = placement.audit(step, *_batch(), owners=owners, run=True)
+    assert report.ok and report.variables_checked == 60, report
+
+
+def _backward_on_one_device(replicas, devices, optimizers):
+    """The step as it was: one tape, its gradient() called outside every replica's device scope."""
+    n = len(devices)
+
+    @tf.function
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            logits = example.replicated_forward(replicas, devices, tf.split(x, n), example.ALL_SUMS["ring"])
+            loss = tf.add_n([models.cross_entropy(lg, ys) / n for lg, ys in zip(logits, tf.split(y, n), strict=True)])
+        grads = tape.gradient(loss, [r.trainable_variables for r in replicas])
+        grads = example.allreduce_grads(grads, average=False, devices=devices)
+        for device, replica, optimizer, g in zip(devices, replicas, optimizers, grads, strict=True):
+            with tf.device(device):
+                optimizer.apply_gradients(zip(g, replica.trainable_variables, strict=True))
+        return loss
+
+    return step
+
+
+@pytest.mark.parametrize("run", [False, True])
+def test_the_audit_names_a_backward_pass_built_outside_the_replicas_device(devs, run):
+    replicas, optimizers, owners = _sync_bn(devs[:2])
+    report = placement.audit(_backward_on_one_device(replicas, devs[:2], optimizers), *_batch(), owners=owners, run=run)
+    counts = report.counts()
+    for op_type in ("Conv2DBackpropFilter", "MaxPoolGrad", "ReluGrad"):  # replica 1's two of each, on device 0
+        assert counts[(op_type, devs[0], devs[1])] == 2, (op_type, report)
+    assert counts[("Conv2DBackpropInput", devs[0], devs[1])] >= 1, report  # a run drops the one into the input
+    assert not any(m.owner == devs[0] for m in report.misplaced), report  # replica 0's are where they belong
+
+
+def test_a_nccl_all_reduce_under_a_tape_fails_as_tensorflow_registers_it_and_the_fix_traces():
+    replicas, optimizers, _ = _sync_bn(GPUS[:2])
+    x, y = _batch(4)
+    n = 2
+
+    @tf.function
+    def taped(x, y):
+        with tf.GradientTape() as tape:
+            logits = example.replicated_forward(replicas, GPUS[:2], tf.split(x, n), example.ALL_SUMS["nccl"])
+            loss = tf.add_n([models.cross_entropy(lg, ys) for lg, ys in zip(logits, tf.split(y, n), strict=True)])
+        return tape.gradient(loss, replicas[0].trainable_variables)
+
+    with pytest.raises(AttributeError, match="device"):  # nccl_ops._all_sum_grad reads op.device of a mock op
+        taped.get_concrete_function(x, y)
+    example.make_sync_bn_train_step(replicas, GPUS[:2], optimizers, "nccl").get_concrete_function(x, y)
+
+
+def _dropout_stage():
+    return [keras.layers.Flatten(), keras.layers.Dense(10), keras.layers.Dropout(0.5)]
+
+
+def test_the_audit_names_a_layer_made_outside_its_device_and_an_optimizer_built_on_the_default_one(devs):
+    layers = _dropout_stage()  # made here, outside the device scope: Keras creates Dropout's seed state now
+    with tf.device(devs[1]):
+        model = keras.Sequential([keras.Input((8, 8, 1)), *layers])
+    adam = keras.optimizers.Adam()  # built outside the device scope: its counter and slots on device 0
+    adam.build(model.trainable_variables)
+
+    @tf.function
+    def step(x, y):
+        with tf.device(devs[1]):
+            with tf.GradientTape() as tape:
+                loss = models.cross_entropy(model(x, training=True), y)
+            grads = tape.gradient(loss, model.trainable_variables)
+            adam.apply_gradients(zip(grads, model.trainable_variables, strict=True))
+        return loss
+
+    report = placement.audit(step, *_batch(), owners={devs[1]: [*model.variables, *adam.variables]}, run=True)
+    wrong = {m.name for m in report.misplaced if m.type == "variable"}
+    assert any("seed_generator_state" in name for name in wrong), report
+    assert {"iteration", "learning_rate"} <= {name.rpartition("/")[2] for name in wrong}, wrong
+
+
+def test_replicas_keep_their_own_dropout_seeds_and_get_the_first_ones_weights(devs):
+    replicas = example.make_replicas(lambda: keras.Sequential([keras.Input((8, 8, 1)), *_dropout_stage()]), devs[:2])
+    seeds = [[v.numpy() for v in r.variables if "seed" in v.path] for r in replicas]
+    assert len(seeds[0]) == 1 and not np.array_equal(seeds[0][0], seeds[1][0])
+    for a, b in zip(replicas[0].weights, replicas[1].weights, strict=True):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+    x = tf.ones([64, 8, 8, 1])
+    masks = [(r(x, training=True).numpy() == 0) for r in replicas]
+    assert (masks[0] != masks[1]).any()  # each replica its own dropout mask
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_the_replicated_step_keeps_each_replica_on_its_device(devs, optimizer):
+    replicas = replicated.make_replicas(lambda: models.MLP(seed=0), devs[:2])
+    optimizers = None
+    owners = {d: list(r.variables) for d, r in zip(devs[:2], replicas, strict=True)}
+    if optimizer == "adam":
+        optimizers = replicated.replica_optimizers(replicas, devs[:2], lambda: keras.optimizers.Adam(1e-3))
+        owners = {d: [*owners[d], *o.variables] for d, o in zip(devs[:2], optimizers, strict=True)}
+    step = replicated.make_train_step(replicas, devs[:2], learning_rate=0.1, optimizers=optimizers)
+    x, y = tf.reshape(_batch()[0], [8, 64]), _batch()[1]
+    for run in (False, True):
+        report = placement.audit(step, x, y, owners=owners, run=run)
+        assert report.ok and report.ops_checked > 20, report
+    gpu_replicas = replicated.make_replicas(lambda: models.MLP(seed=0), GPUS[:4])
+    gpu_step = replicated.make_train_step(gpu_replicas, GPUS[:4], learning_rate=0.1, method="nccl")
+    gpu_owners = {d: list(r.variables) for d, r in zip(GPUS[:4], gpu_replicas, strict=True)}
+    assert placement.audit(gpu_step, tf.zeros([8, 64]), y, owners=gpu_owners).ok
+
+
+def test_the_mirrored_strategy_step_keeps_each_copy_on_its_device(devs):
+    strategy = mirrored_strategy(devs[:2])
+    with strategy.scope():
+        model, adam = example.make_cnn((8, 8, 1), synchronized=True), keras.optimizers.Adam(1e-3)
+        adam.build(model.trainable_variables)
+    step = mirrored_train_step(strategy, model, adam)
+    x, y = _batch()
+    dist = [
+        strategy.experimental_distribute_values_from_function(lambda c, t=t: tf.split(t, 2)[c.replica_id_in_sync_group])
+        for t in (x, y)
+    ]
+    copies = [strategy.experimental_local_results(v.value) for v in [*model.variables, *adam.variables]]
+    owners = {d: [c[i] for c in copies] for i, d in enumerate(devs[:2])}
+    report = placement.audit(step, *dist, owners=owners, run=True)
+    assert report.ok and report.variables_checked == len(copies) * 2, report
+
+
+@pytest.mark.parametrize("schedule", ["sequential", "gpipe", "1f1b"])
+def test_every_pipeline_schedule_keeps_each_stage_on_its_device(devs, schedule):
+    stages = pipelined.build_stages(devs[:3], (8, 8, 1))
+    pipe = pipeline.Pipeline(stages, devs[:3], 2, schedule=schedule, optimizer=keras.optimizers.Adam(1e-3))
+    x, y = _batch()
+    pipe.train_step(x, y)  # builds the optimizer copies
+    owners = {d: [*s.variables, *o.variables] for d, s, o in zip(devs[:3], stages, pipe.optimizers, strict=True)}
+    report = placement.audit(pipe.traced_step, x, y, owners=owners, run=True)
+    assert report.ok and report.variables_checked > 20, report
+
+
+def test_the_take_away_pipeline_keeps_each_stage_and_its_dropout_seeds_on_its_device(devs):
+    args = pipelined.parse(["--schedule", "1f1b", "--micro-batches", "2"])
+    stages, step, _ = pipelined.pipeline(args, devs[:3], (8, 8, 1))
+    x, y = _batch()
+    xs, ys = [x], [y]  # a wave of one step
+    step(xs, ys)
+    owners = {d: list(s.variables) for d, s in zip(devs[:3], stages, strict=True)}
+    assert any("seed" in v.path for v in owners[devs[2]])
+    report = placement.audit(step, xs, ys, owners=owners, run=True)
+    assert report.ok, report
+
+
+def test_owners_must_be_a_dict_of_devices():
+    with pytest.raises(TypeError, match="owners is a dict"):
+        placement.audit(lambda: 0, owners=[])
+
+
+def test_allreduce_names_are_communication_for_the_audit():
+    assert allreduce  # the scopes the audit reads as communication are the allreduce module's
+    from tutorial_lib.timeline import is_communication
+
+    assert is_communication("tower_0/ring_all_reduce_1/add") and not is_communication("moving_average/AssignSub")
