@@ -166,3 +166,55 @@ def test_without_the_digits_file_or_mnist_a_take_away_file_exits_2_saying_where_
         with pytest.raises(SystemExit) as stop:
             module.parse(argv)
         assert stop.value.code == 2 and "no data" in capsys.readouterr().err
+
+
+def _blocks_cnn(frozen=False):
+    """A CNN whose first batch norm sits in a nested keras.Sequential block; `frozen`: the second one
+    does not train (fine-tuning), as `layer.trainable = False` sets it."""
+    block = keras.Sequential([keras.layers.Conv2D(4, 3, padding="same"), keras.layers.BatchNormalization()])
+    bn = keras.layers.BatchNormalization(momentum=0.5)
+    bn.trainable = not frozen
+    layers = [keras.Input((8, 8, 1)), block, keras.layers.ReLU(), keras.layers.Conv2D(4, 3, padding="same"), bn]
+    return keras.Sequential([*layers, keras.layers.Flatten(), keras.layers.Dense(10)])
+
+
+@pytest.mark.parametrize("frozen", [False, True])
+def test_nested_and_frozen_batch_norm_train_as_keras_on_one_device(devs, frozen):
+    keras.utils.set_random_seed(0)
+    (x, y), _ = example.load_data("digits")
+    batches = example.batches(x, y, 16, seed=0)[:3]
+    replicas = example.make_replicas(lambda: _blocks_cnn(frozen), devs[:2])
+    frozen_bn = replicas[0].layers[-3]
+    for replica in replicas:  # moving statistics away from 0 and 1, so that using them shows
+        replica.layers[-3].moving_mean.assign(tf.fill([4], 0.5))
+    start = [v.numpy() for v in replicas[0].variables]
+    optimizers = example.replica_optimizers(replicas, devs[:2], lambda: keras.optimizers.SGD(0.1))
+    step = example.make_sync_bn_train_step(replicas, devs[:2], optimizers)
+    for xb, yb in batches:
+        step(xb, yb)
+    with tf.device(devs[0]):
+        single, sgd = _blocks_cnn(frozen), keras.optimizers.SGD(0.1)
+    for v, first in zip(single.variables, start, strict=True):
+        v.assign(first)
+    for xb, yb in batches:
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(
+                tf.nn.sparse_softmax_cross_entropy_with_logits(labels=yb, logits=single(xb, training=True))
+            )
+        grads = tape.gradient(loss, single.trainable_variables)
+        sgd.apply_gradients(zip(grads, single.trainable_variables, strict=True))
+    for replica in replicas:
+        for v, r in zip(replica.variables, single.variables, strict=True):
+            np.testing.assert_allclose(v.numpy(), r.numpy(), rtol=1e-3, atol=1e-4, err_msg=v.path)
+    nested = [r.layers[0].layers[1].moving_mean.numpy() for r in replicas]
+    np.testing.assert_allclose(nested[0], nested[1], rtol=1e-5)  # synchronized, not per-device
+    moved = np.abs(frozen_bn.moving_mean.numpy() - 0.5).max()
+    assert (moved == 0) if frozen else (moved > 0.01), moved
+
+
+def test_a_batch_norm_inside_a_functional_block_is_refused_not_left_per_device(devs):
+    inputs = keras.Input((8, 8, 1))
+    block = keras.Model(inputs, keras.layers.BatchNormalization()(inputs), name="functional_block")
+    model = keras.Sequential([keras.Input((8, 8, 1)), block, keras.layers.Flatten(), keras.layers.Dense(10)])
+    with pytest.raises(TypeError, match=r"functional_block .* holds a BatchNormalization.*keras.Sequential"):
+        example.replicated_forward([model, model], devs[:2], [tf.zeros((2, 8, 8, 1))] * 2, example.ALL_SUMS["ring"])
