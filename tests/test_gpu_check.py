@@ -113,6 +113,13 @@ def _fake_examples(tmp_path, mode="ok", difference=1e-9, code=0):
     return folder
 
 
+@pytest.mark.parametrize("gpus", [3, 5, 6, 7])
+def test_every_gpu_count_gets_a_batch_it_divides(gpus):
+    for run in gpu_check.file_runs(gpus)[:2]:
+        batch = int(run.args[run.args.index("--batch") + 1])
+        assert batch % gpus == 0 and batch // gpus >= 16, run
+
+
 def test_file_runs_check_every_gpu_and_the_pipeline_on_at_most_three():
     runs = gpu_check.file_runs(4)
     assert [r.file for r in runs] == ["train_multi_gpu.py"] * 2 + ["train_pipelined.py"] * 3
