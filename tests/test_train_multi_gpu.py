@@ -113,6 +113,7 @@ def test_a_default_run_trains_reports_accuracy_each_epoch_and_writes_json_and_sc
     assert done.returncode == 0, done.stderr
     assert "simulated CPU devices" in done.stdout and "8x8 digits" in done.stdout and "a ring of copies" in done.stdout
     assert done.stdout.count("test_accuracy") == 4, done.stdout  # every epoch
+    assert "triggered tf.function retracing" not in done.stderr  # accuracy() traces once per shape, not per call
     metrics = json.loads(path.read_text())
     assert metrics["test_accuracy"] > 0.8 and metrics["train_accuracy"] > 0.8, metrics  # it learns
     assert metrics["images_per_second"] > 0 and metrics["all_reduce"] == "ring" and len(metrics["devices"]) == 2
