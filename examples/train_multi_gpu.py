@@ -406,8 +406,8 @@ def choose_devices(args):
         devices = [d.strip() for d in args.devices.split(",")]
         if unknown := unknown_devices(devices):
             names = ", ".join(d.name for d in tf.config.list_logical_devices())
-            refuse(f"--devices: no device {', '.join(unknown)} here (or named twice); this machine has {names}. "
-                   "Name some of those once each, or give --simulate N for N logical CPU devices")  # fmt: skip
+            refuse(f"--devices: no device {', '.join(map(repr, unknown))} here, or named twice; this machine has "
+                   f"{names}. Name some of those once each, or give --simulate N for N logical CPUs")  # fmt: skip
         return devices
     if len(gpus) >= 2 and not args.simulate:
         return [f"/GPU:{i}" for i in range(len(gpus))]
@@ -589,7 +589,7 @@ def parse(argv):
         (a.simulate is not None and not 1 <= a.simulate <= 16, "--simulate: 1 to 16 devices"),
         (min(a.epochs, a.batch, 1 if a.steps is None else a.steps) < 1, "--epochs, --batch and --steps must be >= 1"),
         (a.batch % n, f"--batch {a.batch}: give a multiple of the {n} devices, e.g. {max(n, a.batch // n * n)}"),
-        (not a.lr > 0, f"--lr {a.lr}: give a positive learning rate, e.g. 1e-3"),
+        (not 0 < a.lr < float("inf"), f"--lr {a.lr}: give a positive learning rate, e.g. 1e-3"),
         (a.profile and not a.logdir, "--profile writes into --logdir: give --logdir DIR too"),
         (a.logdir and not importlib.util.find_spec("tensorboard"), "--logdir: pip install tensorboard first"),
         (a.data not in (None, "digits") and not Path(a.data or "").is_file(), f"--data {a.data}: no such file"),

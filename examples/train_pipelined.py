@@ -440,8 +440,8 @@ def choose_devices(args):
         devices = [d.strip() for d in args.devices.split(",")]
         if unknown := unknown_devices(devices):
             names = ", ".join(d.name for d in tf.config.list_logical_devices())
-            refuse(f"--devices: no device {', '.join(unknown)} here (or named twice); this machine has {names}. "
-                   "Name some of those once each, or give --simulate N for N logical CPU devices")  # fmt: skip
+            refuse(f"--devices: no device {', '.join(map(repr, unknown))} here, or named twice; this machine has "
+                   f"{names}. Name some of those once each, or give --simulate N for N logical CPUs")  # fmt: skip
         return devices
     if len(gpus) >= 3 and not args.simulate:
         return [f"/GPU:{i}" for i in range(3)]

@@ -130,6 +130,7 @@ def test_a_default_run_trains_reports_accuracy_each_epoch_and_writes_json_and_sc
         (["--devices", "/GPU:0,/GPU:1,/GPU:2", "--batch", "64"], "e.g. 63"),
         (["--steps", "0"], ">= 1"),
         (["--lr", "-1"], "positive learning rate"),
+        (["--lr", "inf"], "positive learning rate"),
         (["--profile"], "give --logdir DIR too"),
         (["--data", "/nowhere/mnist.npz"], "no such file"),
         (["--json", "/nowhere/m.json"], "no such folder"),
