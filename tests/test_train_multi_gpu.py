@@ -156,20 +156,6 @@ def test_a_functional_model_and_a_batch_norm_of_another_axis_are_refused(devs):
         example.sync_batch_norm([bn, bn], devs[:2], xs, example.ALL_SUMS["ring"])
 
 
-@pytest.mark.parametrize("name", ["train_multi_gpu", "train_pipelined"])
-def test_without_the_digits_file_or_mnist_a_take_away_file_exits_2_saying_where_data_comes_from(
-    name, monkeypatch, capsys, tmp_path
-):
-    module = example if name == "train_multi_gpu" else pipelined
-    assert module.digits_file() == ROOT / "tutorial_lib" / "digits.csv.gz"  # the course's copy
-    monkeypatch.setattr(module, "digits_file", lambda: None)  # a file copied alone, without scikit-learn
-    monkeypatch.setattr(module, "MNIST_CACHE", tmp_path / "mnist.npz")
-    for argv in ([], ["--data", "digits"]):
-        with pytest.raises(SystemExit) as stop:
-            module.parse(argv)
-        assert stop.value.code == 2 and "no data" in capsys.readouterr().err
-
-
 def _npz(path, **arrays):
     np.savez(path, **arrays)
     return str(path)
@@ -288,3 +274,17 @@ def test_accuracy_builds_one_tf_function_per_model(monkeypatch):
 
     monkeypatch.setattr(example.tf, "function", counted)
     assert len({example.accuracy(model, x, y) for _ in range(3)}) == 1 and built == ["accuracy"]
+
+
+@pytest.mark.parametrize("name", ["train_multi_gpu", "train_pipelined"])
+def test_without_the_digits_file_or_mnist_a_take_away_file_exits_2_saying_where_data_comes_from(
+    name, monkeypatch, capsys, tmp_path
+):
+    module = example if name == "train_multi_gpu" else pipelined
+    assert module.digits_file() == ROOT / "tutorial_lib" / "digits.csv.gz"  # the course's copy
+    monkeypatch.setattr(module, "digits_file", lambda: None)  # a file copied alone, without scikit-learn
+    monkeypatch.setattr(module, "MNIST_CACHE", tmp_path / "mnist.npz")
+    for argv in ([], ["--data", "digits"]):
+        with pytest.raises(SystemExit) as stop:
+            module.parse(argv)
+        assert stop.value.code == 2 and "no data" in capsys.readouterr().err
