@@ -18,6 +18,9 @@ import itertools
 import json
 import sys
 import time
+import weakref
+import zipfile
+import zlib
 from pathlib import Path
 
 import keras
@@ -353,26 +356,83 @@ def digits_file():
     return next((f / "digits.csv.gz" for f in folders if (f / "digits.csv.gz").is_file()), None)
 
 
+def refuse(message):
+    """Exit 2 with `message`, as argparse refuses an argument: for what only the data or the machine tells."""
+    print(f"{Path(sys.argv[0]).name}: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def read_npz(path):
+    """The two splits of an mnist.npz, or exit 2 saying what the file is not."""
+    try:
+        with np.load(path) as f:
+            if missing := [k for k in ("x_train", "y_train", "x_test", "y_test") if k not in f.files]:
+                refuse(f"--data {path}: no {', '.join(missing)}; an mnist.npz holds x_train, y_train, x_test, y_test")
+            return [(f[f"x_{s}"], f[f"y_{s}"]) for s in ("train", "test")]
+    except (AttributeError, EOFError, OSError, TypeError, ValueError, zipfile.BadZipFile, zlib.error) as err:
+        refuse(f"--data {path}: not a readable .npz ({type(err).__name__}: {err}); give Keras' mnist.npz or digits")
+
+
+def data_problem(name, x, y, smallest):
+    """What is wrong with one split's images x (N, H, W) and labels y (N,) of 0 to 9; None if nothing."""
+    if not (np.issubdtype(x.dtype, np.number) and np.issubdtype(y.dtype, np.number)):
+        return f"{name}: images and labels must be numbers, got {x.dtype} and {y.dtype}"
+    if x.ndim != 3 or min(x.shape[1:], default=0) < smallest:
+        return f"x_{name} has shape {x.shape}: give images (N, height, width), at least {smallest}x{smallest}"
+    if y.shape != x.shape[:1] or not len(y):
+        return f"y_{name} has shape {y.shape}: give one label per image, shape ({len(x)},) (y.ravel()), none empty"
+    if not np.isfinite(x).all():
+        return f"x_{name}: {np.size(x) - np.isfinite(x).sum()} pixels are not finite (NaN or inf); fix or drop them"
+    if not np.all((y >= 0) & (y <= 9) & (y == np.round(y))):
+        return f"y_{name}: labels must be the whole numbers 0 to 9, got {y.min()} to {y.max()}"
+    return None
+
+
 def load_data(path):
     """((x_train, y_train), (x_test, y_test)) from an mnist.npz (default: Keras' cache, if there), else
-    the 8x8 digits (`digits_file`); images (N, H, W, 1) in [0, 1]."""
+    the 8x8 digits (`digits_file`); images (N, H, W, 1) in [0, 1]. Exit 2 on data the CNN cannot take."""
     path = path or (MNIST_CACHE if MNIST_CACHE.exists() else "digits")
     print(f"data: {path}" if path != "digits" else "data: 8x8 digits (no MNIST in the Keras cache)")
     if path != "digits":
-        with np.load(path) as f:
-            splits = (f["x_train"] / 255.0, f["y_train"]), (f["x_test"] / 255.0, f["y_test"])
+        splits, scale = read_npz(path), 255.0
     else:
         table = np.loadtxt(digits_file(), delimiter=",")
         order = np.random.default_rng(0).permutation(len(table))
-        splits = [(table[i, :64].reshape(-1, 8, 8) / 16.0, table[i, 64]) for i in (order[300:], order[:300])]
-    return [(x[..., None].astype(keras.config.floatx()), y.astype(np.int32)) for x, y in splits]
+        splits, scale = [(table[i, :64].reshape(-1, 8, 8), table[i, 64]) for i in (order[300:], order[:300])], 16.0
+    for name, (x, y) in zip(("train", "test"), splits, strict=True):
+        if problem := data_problem(name, x, y, smallest=4):  # the CNN pools twice by 2
+            refuse(f"--data {path}: {problem}")
+    return [((x[..., None] / scale).astype(keras.config.floatx()), y.astype(np.int32)) for x, y in splits]
+
+
+def unknown_devices(names):
+    """The names in `names` that are not devices of this process, or that repeat one."""
+    local, seen, unknown = tf.DeviceSpec(job="localhost", replica=0, task=0), set(), []
+    full_name = lambda name: local.make_merged_spec(tf.DeviceSpec.from_string(name)).to_string()  # noqa: E731
+    known = {full_name(d.name) for d in tf.config.list_logical_devices()}
+    for name in names:
+        try:
+            full = full_name(name)
+        except ValueError:  # not a device name: 'gpu0'
+            full = None
+        unknown += [name] if full not in known or full in seen else []
+        seen.add(full)
+    return unknown
 
 
 def choose_devices(args):
-    """--devices; else every GPU if there are 2 or more; else --simulate N (default 2) logical CPUs, said so."""
+    """--devices (exit 2 if this machine lacks one); else every GPU if there are 2 or more; else --simulate N
+    (default 2) logical CPUs, said so."""
     gpus, cpu = tf.config.list_physical_devices("GPU"), tf.config.list_physical_devices("CPU")[0]
-    if args.devices or (len(gpus) >= 2 and not args.simulate):
-        return args.devices.split(",") if args.devices else [f"/GPU:{i}" for i in range(len(gpus))]
+    if args.devices:
+        devices = [d.strip() for d in args.devices.split(",")]
+        if unknown := unknown_devices(devices):
+            names = ", ".join(d.name for d in tf.config.list_logical_devices())
+            refuse(f"--devices: no device {', '.join(map(repr, unknown))} here, or named twice; this machine has "
+                   f"{names}. Name some of those once each, or give --simulate N for N logical CPUs")  # fmt: skip
+        return devices
+    if len(gpus) >= 2 and not args.simulate:
+        return [f"/GPU:{i}" for i in range(len(gpus))]
     n = args.simulate or 2
     tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * n)
     print(f"{len(gpus)} GPU(s): {n} simulated CPU devices, which share this process's threads: the speed "
@@ -414,9 +474,16 @@ def trainer(args, devices, input_shape):
     return step, replicas[0], [replica.variables for replica in replicas]
 
 
+PREDICTORS = weakref.WeakKeyDictionary()  # one tf.function per model: a new one per call traces anew
+
+
 def accuracy(model, x, y, batch=1000):
     """The share of x that `model` classifies right, in inference mode (BN's moving statistics)."""
-    predict = tf.function(lambda xs: tf.argmax(model(xs, training=False), -1, output_type=tf.int32))
+    if model not in PREDICTORS:
+        ref = weakref.ref(model)  # not the model itself: the dictionary would keep every model alive
+        predict = lambda xs: tf.argmax(ref()(xs, training=False), -1, output_type=tf.int32)  # noqa: E731
+        PREDICTORS[model] = tf.function(predict, autograph=False, reduce_retracing=True)
+    predict = PREDICTORS[model]
     return float(np.mean(np.concatenate([predict(x[i : i + batch]).numpy() for i in range(0, len(x), batch)]) == y))
 
 
@@ -498,18 +565,28 @@ def compare(args, devices, x, y):
         optimizer.apply_gradients(zip(grads, single.trainable_variables, strict=True))
         return loss
 
-    worst = 0.0
-    for x_batch, y_batch in batches(x, y, args.batch, seed=0)[: args.steps]:
-        loss, reference = float(step(x_batch, y_batch)), float(single_step(x_batch, y_batch))
-        worst = max(worst, abs(loss - reference) / abs(reference))
+    differences, compared = [], batches(x, y, args.batch, seed=0)[: args.steps]
+    for x_batch, y_batch in compared:
+        loss, reference = np.float64(step(x_batch, y_batch)), np.float64(single_step(x_batch, y_batch))
+        differences.append(abs(loss - reference) / abs(reference))
     for replica in variables:
         for a, b in zip(replica, single.variables, strict=True):
             b = b.numpy()
-            worst = max(worst, float(np.max(np.abs(np.asarray(a) - b)) / max(np.max(np.abs(b)), 1e-30)))
-    verdict = "ok" if worst <= 1e-5 else "they differ"
-    print(f"check: {args.steps} steps of {args.strategy} on {len(devices)} devices against one, all-reduce "
-          f"{args.method}: largest relative difference {worst:.2e} ({verdict})")  # fmt: skip
+            differences.append(np.max(np.abs(np.asarray(a) - b)) / max(np.max(np.abs(b)), 1e-30))
+    worst = float(np.max(differences))  # NaN if any is: max(0.0, nan) would be 0.0
+    print(f"check: {steps_said(len(compared), args)} of {args.strategy} on {len(devices)} devices against one, "
+          f"all-reduce {args.method}: largest relative difference {worst:.2e} ({verdict(worst)})")  # fmt: skip
     return worst
+
+
+def steps_said(compared, args):
+    """'N steps', and why when the training set holds fewer full batches than --steps asks for."""
+    short = f" (of {args.steps} asked: the training set holds {compared} full batches of {args.batch})"
+    return f"{compared} steps" + (short if compared < args.steps else "")
+
+
+def verdict(worst):
+    return "ok" if worst <= 1e-5 else "they differ" if np.isfinite(worst) else "not finite: they differ"
 
 
 def parse(argv):
@@ -534,13 +611,16 @@ def parse(argv):
         (a.simulate is not None and not 1 <= a.simulate <= 16, "--simulate: 1 to 16 devices"),
         (min(a.epochs, a.batch, 1 if a.steps is None else a.steps) < 1, "--epochs, --batch and --steps must be >= 1"),
         (a.batch % n, f"--batch {a.batch}: give a multiple of the {n} devices, e.g. {max(n, a.batch // n * n)}"),
-        (not a.lr > 0, f"--lr {a.lr}: give a positive learning rate, e.g. 1e-3"),
+        (not 0 < a.lr < float("inf"), f"--lr {a.lr}: give a positive learning rate, e.g. 1e-3"),
         (a.profile and not a.logdir, "--profile writes into --logdir: give --logdir DIR too"),
         (a.logdir and not importlib.util.find_spec("tensorboard"), "--logdir: pip install tensorboard first"),
         (a.data not in (None, "digits") and not Path(a.data or "").is_file(), f"--data {a.data}: no such file"),
         ((a.data == "digits" or not (a.data or MNIST_CACHE.exists())) and not digits_file(),
          "no data: run the file from the course (tutorial_lib/digits.csv.gz) or give --data PATH of an mnist.npz"),
         (a.json and not Path(a.json).absolute().parent.is_dir(), f"--json {a.json}: no such folder"),
+        (a.json and Path(a.json).is_dir(), f"--json {a.json}: a folder; give a file in it, e.g. {a.json}/m.json"),
+        (a.logdir and Path(a.logdir).exists() and not Path(a.logdir).is_dir(),
+         f"--logdir {a.logdir}: a file, not a folder; give a folder (made if missing)"),
     ]  # fmt: skip
     for message in [message for problem, message in problems if problem][:1]:
         p.error(message)
@@ -551,12 +631,24 @@ def main(argv=None):
     args = parse(argv)
     args.steps = args.steps or (20 if args.check else None)
     data, devices = load_data(args.data), choose_devices(args)
+    if args.batch > len(data[0][0]):  # batches() would give none: nothing trained, nothing compared
+        most = len(data[0][0]) // len(devices) * len(devices)
+        refuse(f"--batch {args.batch}: the training set holds {len(data[0][0])} images; give --batch {most} or less")
     args.method, args.method_said = all_reduce_method(devices)
     metrics = {"largest_relative_difference": check(args, devices, data)} if args.check else train(args, devices, data)
     if args.json:
         head = {"devices": devices, "strategy": args.strategy, "all_reduce": args.method}
-        Path(args.json).write_text(json.dumps({**head, **metrics}))
-    return 1 if metrics.get("largest_relative_difference", 0) > 1e-5 else 0
+        Path(args.json).write_text(json.dumps(json_ready({**head, **metrics})))
+    return 0 if metrics.get("largest_relative_difference", 0) <= 1e-5 else 1  # NaN: 1
+
+
+def json_ready(value):
+    """`value` with every NaN and infinity replaced by None: JSON has no such numbers (json.dumps writes NaN)."""
+    if isinstance(value, dict):
+        return {k: json_ready(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [json_ready(v) for v in value]
+    return None if isinstance(value, float) and not np.isfinite(value) else value
 
 
 if __name__ == "__main__":

@@ -15,6 +15,8 @@ import statistics
 import sys
 import tempfile
 import time
+import zipfile
+import zlib
 from pathlib import Path
 
 import keras
@@ -230,19 +232,53 @@ def digits_file():
     return next((f / "digits.csv.gz" for f in folders if (f / "digits.csv.gz").is_file()), None)
 
 
+def refuse(message):
+    """Exit 2 with `message`, as argparse refuses an argument: for what only the data or the machine tells."""
+    print(f"{Path(sys.argv[0]).name}: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def read_npz(path):
+    """The two splits of an mnist.npz, or exit 2 saying what the file is not."""
+    try:
+        with np.load(path) as f:
+            if missing := [k for k in ("x_train", "y_train", "x_test", "y_test") if k not in f.files]:
+                refuse(f"--data {path}: no {', '.join(missing)}; an mnist.npz holds x_train, y_train, x_test, y_test")
+            return [(f[f"x_{s}"], f[f"y_{s}"]) for s in ("train", "test")]
+    except (AttributeError, EOFError, OSError, TypeError, ValueError, zipfile.BadZipFile, zlib.error) as err:
+        refuse(f"--data {path}: not a readable .npz ({type(err).__name__}: {err}); give Keras' mnist.npz or digits")
+
+
+def data_problem(name, x, y, smallest):
+    """What is wrong with one split's images x (N, H, W) and labels y (N,) of 0 to 9; None if nothing."""
+    if not (np.issubdtype(x.dtype, np.number) and np.issubdtype(y.dtype, np.number)):
+        return f"{name}: images and labels must be numbers, got {x.dtype} and {y.dtype}"
+    if x.ndim != 3 or min(x.shape[1:], default=0) < smallest:
+        return f"x_{name} has shape {x.shape}: give images (N, height, width), at least {smallest}x{smallest}"
+    if y.shape != x.shape[:1] or not len(y):
+        return f"y_{name} has shape {y.shape}: give one label per image, shape ({len(x)},) (y.ravel()), none empty"
+    if not np.isfinite(x).all():
+        return f"x_{name}: {np.size(x) - np.isfinite(x).sum()} pixels are not finite (NaN or inf); fix or drop them"
+    if not np.all((y >= 0) & (y <= 9) & (y == np.round(y))):
+        return f"y_{name}: labels must be the whole numbers 0 to 9, got {y.min()} to {y.max()}"
+    return None
+
+
 def load_data(path):
     """((x_train, y_train), (x_test, y_test)) from an mnist.npz (default: Keras' cache, if there), else
-    the 8x8 digits (`digits_file`); images (N, H, W, 1) in [0, 1]."""
+    the 8x8 digits (`digits_file`); images (N, H, W, 1) in [0, 1]. Exit 2 on data the CNN cannot take."""
     path = path or (MNIST_CACHE if MNIST_CACHE.exists() else "digits")
     print(f"data: {path}" if path != "digits" else "data: 8x8 digits (no MNIST in the Keras cache)")
     if path != "digits":
-        with np.load(path) as f:
-            splits = (f["x_train"] / 255.0, f["y_train"]), (f["x_test"] / 255.0, f["y_test"])
+        splits, scale = read_npz(path), 255.0
     else:
         table = np.loadtxt(digits_file(), delimiter=",")
         order = np.random.default_rng(0).permutation(len(table))
-        splits = [(table[i, :64].reshape(-1, 8, 8) / 16.0, table[i, 64]) for i in (order[300:], order[:300])]
-    return [(x[..., None].astype(np.float32), y.astype(np.int32)) for x, y in splits]
+        splits, scale = [(table[i, :64].reshape(-1, 8, 8), table[i, 64]) for i in (order[300:], order[:300])], 16.0
+    for name, (x, y) in zip(("train", "test"), splits, strict=True):
+        if problem := data_problem(name, x, y, smallest=8):  # the CNN pools three times by 2
+            refuse(f"--data {path}: {problem}")
+    return [((x[..., None] / scale).astype(np.float32), y.astype(np.int32)) for x, y in splits]
 
 
 def staged_training(train_steps, batches, device, on_step):
@@ -327,20 +363,23 @@ def check(args, devices, x, y):
     (so that its dropout draws the same masks): the largest relative difference of losses and weights."""
     stages, train_steps, _ = pipeline(args, devices, tuple(x.shape[1:]))
     [single], optimizer = build_stages(devices[:1], tuple(x.shape[1:])), keras.optimizers.Adam(1e-3)
-    M, worst = args.micro_batches, 0.0
-    for k in range(args.steps):
+    M, differences, steps = args.micro_batches, [], min(args.steps, len(x) // args.batch)  # full batches only
+    for k in range(steps):
         xs, ys = x[k * args.batch : (k + 1) * args.batch], y[k * args.batch : (k + 1) * args.batch]
         loss = float(train_steps([xs], [ys])[0])
         with tf.GradientTape() as tape:
             parts = zip(np.split(xs, M), np.split(ys, M), strict=True)
             reference = tf.add_n([mean_cross_entropy(single(a, training=True), b) for a, b in parts]) / M
         optimizer.apply(tape.gradient(reference, single.trainable_variables), single.trainable_variables)
-        worst = max(worst, abs(loss - float(reference)) / abs(float(reference)))
+        differences.append(abs(np.float64(loss) - np.float64(reference)) / abs(np.float64(reference)))
     weights = zip([v for stage in stages for v in stage.trainable_variables], single.trainable_variables, strict=True)
     for a, b in weights:
-        worst = max(worst, float(np.max(np.abs(a.numpy() - b.numpy())) / np.max(np.abs(b.numpy()))))
-    print(f"check: {args.steps} steps of {args.schedule}, M={M}, on {len(devices)} devices against one: "
-          f"largest relative difference {worst:.2e} ({'ok' if worst <= 1e-5 else 'they differ'})")  # fmt: skip
+        differences.append(np.max(np.abs(a.numpy() - b.numpy())) / np.max(np.abs(b.numpy())))
+    worst = float(np.max(differences))  # NaN if any is: max(0.0, nan) would be 0.0
+    verdict = "ok" if worst <= 1e-5 else "they differ" if np.isfinite(worst) else "not finite: they differ"
+    short = f" (of {args.steps} asked: the training set holds {steps} full batches of {args.batch})"
+    print(f"check: {steps} steps{short if steps < args.steps else ''} of {args.schedule}, M={M}, on {len(devices)} "
+          f"devices against one: largest relative difference {worst:.2e} ({verdict})")  # fmt: skip
     return worst
 
 
@@ -371,17 +410,43 @@ def parse(argv):
         ((a.data == "digits" or not (a.data or MNIST_CACHE.exists())) and not digits_file(),
          "no data: run the file from the course (tutorial_lib/digits.csv.gz) or give --data PATH of an mnist.npz"),
         (a.json and not Path(a.json).absolute().parent.is_dir(), f"--json {a.json}: no such folder"),
+        (a.json and Path(a.json).is_dir(), f"--json {a.json}: a folder; give a file in it, e.g. {a.json}/m.json"),
+        (a.logdir and Path(a.logdir).exists() and not Path(a.logdir).is_dir(),
+         f"--logdir {a.logdir}: a file, not a folder; give a folder (made if missing)"),
     ]  # fmt: skip
     for message in [message for problem, message in problems if problem][:1]:
         p.error(message)
     return a
 
 
+def unknown_devices(names):
+    """The names in `names` that are not devices of this process, or that repeat one."""
+    local, seen, unknown = tf.DeviceSpec(job="localhost", replica=0, task=0), set(), []
+    full_name = lambda name: local.make_merged_spec(tf.DeviceSpec.from_string(name)).to_string()  # noqa: E731
+    known = {full_name(d.name) for d in tf.config.list_logical_devices()}
+    for name in names:
+        try:
+            full = full_name(name)
+        except ValueError:  # not a device name: 'gpu0'
+            full = None
+        unknown += [name] if full not in known or full in seen else []
+        seen.add(full)
+    return unknown
+
+
 def choose_devices(args):
-    """--devices; else three GPUs if there are; else --simulate N (default 3) logical CPUs, said so."""
+    """--devices (exit 2 if this machine lacks one); else three GPUs if there are; else --simulate N
+    (default 3) logical CPUs, said so."""
     gpus, cpu = tf.config.list_physical_devices("GPU"), tf.config.list_physical_devices("CPU")[0]
-    if args.devices or (len(gpus) >= 3 and not args.simulate):
-        return args.devices.split(",") if args.devices else [f"/GPU:{i}" for i in range(3)]
+    if args.devices:
+        devices = [d.strip() for d in args.devices.split(",")]
+        if unknown := unknown_devices(devices):
+            names = ", ".join(d.name for d in tf.config.list_logical_devices())
+            refuse(f"--devices: no device {', '.join(map(repr, unknown))} here, or named twice; this machine has "
+                   f"{names}. Name some of those once each, or give --simulate N for N logical CPUs")  # fmt: skip
+        return devices
+    if len(gpus) >= 3 and not args.simulate:
+        return [f"/GPU:{i}" for i in range(3)]
     n = args.simulate or 3
     if len(tf.config.get_logical_device_configuration(cpu) or []) != n:
         tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * n)
@@ -431,14 +496,26 @@ def train(args, devices, data):
 def main(argv=None):
     args = parse(argv)
     data, devices = load_data(args.data), choose_devices(args)
+    if args.batch > len(data[0][0]):  # --check compares full batches of the training set, in order
+        most = len(data[0][0]) // args.micro_batches * args.micro_batches
+        refuse(f"--batch {args.batch}: the training set holds {len(data[0][0])} images; give --batch {most} or less")
     if args.check:
         metrics = {"largest_relative_difference": check(args, devices, *data[0])}
     else:
         metrics = train(args, devices, data)
     if args.json:
         head = {"devices": devices, "schedule": args.schedule, "micro_batches": args.micro_batches}
-        Path(args.json).write_text(json.dumps({**head, **metrics}))
-    return 1 if metrics.get("largest_relative_difference", 0) > 1e-5 else 0
+        Path(args.json).write_text(json.dumps(json_ready({**head, **metrics})))
+    return 0 if metrics.get("largest_relative_difference", 0) <= 1e-5 else 1  # NaN: 1
+
+
+def json_ready(value):
+    """`value` with every NaN and infinity replaced by None: JSON has no such numbers (json.dumps writes NaN)."""
+    if isinstance(value, dict):
+        return {k: json_ready(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [json_ready(v) for v in value]
+    return None if isinstance(value, float) and not np.isfinite(value) else value
 
 
 if __name__ == "__main__":

@@ -142,6 +142,8 @@ def test_below_two_gpus_nothing_runs_and_the_skip_says_what_would_be_needed(tmp_
         ("ok", 1e-9, 0, "pass", "largest relative difference 1.0e-09"),
         ("ok", 0.3, 1, "fail", "largest relative difference 3.0e-01"),
         ("bad-argument", 0, 1, "error", "exited with status 1: train: error: --devices: no such device"),
+        ("ok", "float('nan')", 0, "fail", "largest relative difference nan: not finite"),  # an older file's NaN
+        ("ok", "None", 1, "fail", "largest relative difference None: not finite"),  # JSON's null for NaN
     ],
 )
 def test_a_file_run_passes_fails_or_errs_as_its_exit_and_json_say(tmp_path, mode, difference, code, status, detail):

@@ -1,5 +1,7 @@
 """ZeRO stages 0-3 from the ring's halves: equal to Keras Adam on one device, memory and bytes by formula."""
 
+import re
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -93,3 +95,37 @@ def test_dtensor_runs_on_logical_cpus_and_shards_a_matmul_by_columns(devs):
     product = tf.function(tf.matmul)(dtensor.copy_to_mesh(left, replicated), by_columns)
     assert [tuple(p.shape) for p in dtensor.unpack(product)] == [(3, 4), (3, 4)]
     np.testing.assert_array_equal(dtensor.relayout(product, replicated).numpy(), (left @ right).numpy())
+
+
+def _values(state):
+    return [v.numpy() for held in state for variables in held.values() for v in variables]
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"step": 0}, "step must be a whole number >= 1, got 0"),
+        ({"stage": 4}, "stage must be one of [0, 1, 2, 3]"),
+        ({"x": tf.zeros([11, 64])}, "11 examples and 12 labels on 2 devices"),
+        ({"traffic": [0]}, "2 devices but 1 traffic counters"),
+    ],
+)
+def test_zero_step_refuses_bad_arguments_before_it_writes_anything(devs, change, message):
+    flats, x, y = _problem()
+    state, traffic = sharding.make_state(flats, devs[:2], 1), [0, 0]
+    before = _values(state)
+    args = {"state": state, "devices": devs[:2], "x": x, "y": y, "widths": WIDTHS, "stage": 1, "step": 1}
+    with pytest.raises(ValueError, match=re.escape(message)):
+        sharding.zero_step(**{**args, "traffic": traffic, **change})
+    assert traffic == [0, 0] and all(np.array_equal(a, b) for a, b in zip(before, _values(state), strict=True))
+
+
+def test_memory_per_device_takes_short_device_names_and_keeps_them():
+    flats, _, _ = _problem()
+    short, full = ["/CPU:0", "/CPU:1"], ["/device:CPU:0", "/device:CPU:1"]
+    state = sharding.make_state(flats, short, 2)
+    memory = sharding.memory_per_device(state, short)
+    assert list(memory) == short
+    assert list(memory.values()) == list(sharding.memory_per_device(state, full).values())
+    with pytest.raises(ValueError, match=r"lives on .*CPU:1, not one of \['/CPU:0'\]"):
+        sharding.memory_per_device(state, ["/CPU:0"])

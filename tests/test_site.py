@@ -253,3 +253,16 @@ def test_a_markdown_solution_is_not_published(tmp_path):
     source = _one_notebook(tmp_path, answer_in_markdown)
     build_site.build(source, tmp_path / "site")
     assert "forty-two transformers" not in (tmp_path / "site" / "06_scaling.html").read_text()
+
+
+def test_a_cell_with_null_metadata_builds_and_a_target_that_is_a_file_is_refused(tmp_path):
+    def null_metadata(notebook):
+        notebook["cells"][3]["metadata"] = None
+
+    source = _one_notebook(tmp_path, null_metadata)
+    assert (tmp_path / "site" / "06_scaling.html") in build_site.build(source, tmp_path / "site")
+    (tmp_path / "site.html").write_text("mine")
+    with pytest.raises(SystemExit) as stopped:  # the message, not a traceback, before any page is rendered
+        build_site.main([str(source), str(tmp_path / "site.html")])
+    assert "site.html is a file, not a folder" in str(stopped.value.code)
+    assert (tmp_path / "site.html").read_text() == "mine"

@@ -222,3 +222,39 @@ def test_a_student_copy_runs_top_to_bottom_up_to_its_exercises(handout, monkeypa
         assert not errors or "raises-exception" in cell.metadata.get("tags", []), errors[0]["evalue"]
     printed = "".join(o.get("text", "") for c in code for o in c.outputs if o.output_type == "stream")
     assert "stages 0-3 == Keras Adam within 1e-5" in printed
+
+
+def test_placeholders_keep_their_solution_cells_ids_so_nbformat_does_not_warn():
+    import warnings
+
+    import nbformat
+
+    notebook = _notebook_00()
+    copy = student_copies.student_copy(notebook, "00_devices.ipynb")
+    assert [c.get("id") for c in copy["cells"]] == [c["id"] for c in notebook["cells"]]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # MissingIDFieldWarning: "will become a hard error"
+        nbformat.validate(nbformat.from_dict(copy))
+
+
+def test_a_cell_or_notebook_with_null_metadata_is_read_as_one_without(tmp_path):
+    notebook = _notebook_00()
+    notebook["metadata"], notebook["cells"][2]["metadata"] = None, None  # as a hand edit may leave them
+    (tmp_path / "notebooks").mkdir()
+    (tmp_path / "notebooks" / "00_devices.ipynb").write_text(json.dumps(notebook))
+    student_copies.write_handout(tmp_path / "notebooks", tmp_path / "student", tmp_path / "student.zip")
+    copy = json.loads((tmp_path / "student" / "notebooks" / "00_devices.ipynb").read_text())
+    assert copy["metadata"] == {} and copy["cells"][2]["metadata"] == {}
+    notebook["cells"][2]["metadata"] = ["tags"]
+    (tmp_path / "notebooks" / "00_devices.ipynb").write_text(json.dumps(notebook))
+    with pytest.raises(notebook_format.NotebookError, match=r"cell 2 has metadata \['tags'\], not an object"):
+        notebook_format.read_notebook(tmp_path / "notebooks" / "00_devices.ipynb")
+
+
+def test_an_archive_path_that_is_a_folder_is_refused_before_anything_is_written(tmp_path):
+    (tmp_path / "notebooks").mkdir()
+    shutil.copy(ROOT / "notebooks" / "06_scaling.ipynb", tmp_path / "notebooks")
+    (tmp_path / "zips").mkdir()
+    with pytest.raises(student_copies.HandoutError, match="is a folder; give the zip file's path"):
+        student_copies.write_handout(tmp_path / "notebooks", tmp_path / "student", tmp_path / "zips")
+    assert not (tmp_path / "student").exists() and not any((tmp_path / "zips").iterdir())

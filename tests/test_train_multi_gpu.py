@@ -113,6 +113,7 @@ def test_a_default_run_trains_reports_accuracy_each_epoch_and_writes_json_and_sc
     assert done.returncode == 0, done.stderr
     assert "simulated CPU devices" in done.stdout and "8x8 digits" in done.stdout and "a ring of copies" in done.stdout
     assert done.stdout.count("test_accuracy") == 4, done.stdout  # every epoch
+    assert "triggered tf.function retracing" not in done.stderr  # accuracy() traces once per shape, not per call
     metrics = json.loads(path.read_text())
     assert metrics["test_accuracy"] > 0.8 and metrics["train_accuracy"] > 0.8, metrics  # it learns
     assert metrics["images_per_second"] > 0 and metrics["all_reduce"] == "ring" and len(metrics["devices"]) == 2
@@ -129,6 +130,7 @@ def test_a_default_run_trains_reports_accuracy_each_epoch_and_writes_json_and_sc
         (["--devices", "/GPU:0,/GPU:1,/GPU:2", "--batch", "64"], "e.g. 63"),
         (["--steps", "0"], ">= 1"),
         (["--lr", "-1"], "positive learning rate"),
+        (["--lr", "inf"], "positive learning rate"),
         (["--profile"], "give --logdir DIR too"),
         (["--data", "/nowhere/mnist.npz"], "no such file"),
         (["--json", "/nowhere/m.json"], "no such folder"),
@@ -152,6 +154,126 @@ def test_a_functional_model_and_a_batch_norm_of_another_axis_are_refused(devs):
     bn.build((None, 8, 8, 1))
     with pytest.raises(ValueError, match=r"normalizes the last axis.*BatchNormalization\(axis=-1"):
         example.sync_batch_norm([bn, bn], devs[:2], xs, example.ALL_SUMS["ring"])
+
+
+def _npz(path, **arrays):
+    np.savez(path, **arrays)
+    return str(path)
+
+
+def _mnist_like(x_train=None, y_train=None):
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 256, (40, 8, 8)).astype(np.float32)
+    y = rng.integers(0, 10, 40).astype(np.uint8)
+    return {"x_train": x if x_train is None else x_train, "y_train": y if y_train is None else y_train,
+            "x_test": x[:10], "y_test": y[:10]}  # fmt: skip
+
+
+def _bad_data(tmp_path, kind):
+    """An --data file of each kind a user may give by mistake."""
+    good = _mnist_like()
+    if kind == "corrupt":
+        path = tmp_path / "mnist.npz"
+        path.write_bytes(b"PK\x03\x04 not a whole zip file")
+        return str(path)
+    if kind == "no x_train":
+        return _npz(tmp_path / "m.npz", **{k: v for k, v in good.items() if k != "x_train"})
+    if kind == "flat images":
+        return _npz(tmp_path / "m.npz", **_mnist_like(x_train=good["x_train"].reshape(40, 64)))
+    if kind == "(N, 1) labels":
+        return _npz(tmp_path / "m.npz", **_mnist_like(y_train=good["y_train"][:, None]))
+    if kind == "a NaN pixel":
+        x = good["x_train"].copy()
+        x[3, 4, 5] = np.nan
+        return _npz(tmp_path / "m.npz", **_mnist_like(x_train=x))
+    return _npz(tmp_path / "m.npz", **_mnist_like(y_train=good["y_train"] + 1))  # labels 1 to 10
+
+
+@pytest.mark.parametrize("name", ["train_multi_gpu", "train_pipelined"])
+@pytest.mark.parametrize(
+    "kind, message",
+    [
+        ("corrupt", "not a readable .npz"),
+        ("no x_train", "no x_train; an mnist.npz holds"),
+        ("flat images", "x_train has shape (40, 64): give images (N, height, width)"),
+        ("(N, 1) labels", "y_train has shape (40, 1): give one label per image"),
+        ("a NaN pixel", "x_train: 1 pixels are not finite"),
+        ("labels 1 to 10", "labels must be the whole numbers 0 to 9"),
+    ],
+)
+def test_data_a_take_away_file_cannot_use_exits_2_saying_why(name, kind, message, tmp_path, capsys):
+    module = example if name == "train_multi_gpu" else pipelined
+    with pytest.raises(SystemExit) as stop:
+        module.load_data(_bad_data(tmp_path, kind))
+    assert stop.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["train_multi_gpu", "train_pipelined"])
+@pytest.mark.parametrize("devices", ["/CPU:0,/CPU:7", "gpu0,gpu1", "/GPU:97,/GPU:98,/GPU:99", "/CPU:0,/cpu:0"])
+def test_devices_this_machine_lacks_exit_2_listing_the_ones_it_has(name, devices, capsys):
+    module = example if name == "train_multi_gpu" else pipelined
+    with pytest.raises(SystemExit) as stop:
+        module.main(["--devices", devices, "--batch", "12"])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and "this machine has /device:CPU:0" in err and "--simulate N" in err, err
+
+
+@pytest.mark.parametrize("name", ["train_multi_gpu", "train_pipelined"])
+@pytest.mark.parametrize("check", [[], ["--check"]])
+def test_a_batch_larger_than_the_training_set_exits_2_before_any_work(name, check, devs, tmp_path, capsys):
+    module = example if name == "train_multi_gpu" else pipelined
+    path = tmp_path / "m.json"
+    with pytest.raises(SystemExit) as stop:
+        module.main([*check, "--batch", "2000", "--devices", ",".join(devs[:2]), "--json", str(path)])
+    assert stop.value.code == 2 and "the training set holds 1497 images" in capsys.readouterr().err
+    assert not path.exists()
+
+
+@pytest.mark.parametrize("name", ["train_multi_gpu", "train_pipelined"])
+def test_json_naming_a_folder_and_logdir_naming_a_file_exit_2_before_any_work(name, tmp_path, capsys):
+    module = example if name == "train_multi_gpu" else pipelined
+    (tmp_path / "file").write_text("")
+    for argv, message in ((["--json", str(tmp_path)], "a folder; give a file"), (["--logdir", str(tmp_path / "file")],
+                                                                                "a file, not a folder")):  # fmt: skip
+        with pytest.raises(SystemExit) as stop:
+            module.parse(argv)
+        assert stop.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_check_says_how_many_steps_it_compared_and_writes_valid_json(devs, tmp_path, capsys):
+    path = tmp_path / "m.json"
+    argv = ["--check", "--steps", "5", "--batch", "512", "--devices", ",".join(devs[:2]), "--json", str(path)]
+    assert example.main(argv) == 0
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("check:"))
+    assert line.startswith("check: 2 steps (of 5 asked: the training set holds 2 full batches of 512)"), line
+    assert json.loads(path.read_text())["largest_relative_difference"] <= 1e-5
+
+
+def test_a_non_finite_difference_fails_the_check_and_is_written_as_null(devs, tmp_path, monkeypatch, capsys):
+    (x, y), test = example.load_data("digits")
+    x = x.copy()
+    x[:, 3, 3, 0] = np.nan  # one pixel of each image: its first batch holds some, were NaN not refused at load
+    args = example.parse(["--check", "--steps", "1", "--batch", "16", "--devices", ",".join(devs[:2])])
+    args.method, args.method_said = "ring", "ring"
+    assert np.isnan(example.check(args, devs[:2], ((x, y), test)))
+    assert "(not finite: they differ)" in capsys.readouterr().out
+    monkeypatch.setattr(example, "check", lambda *_: float("nan"))
+    path = tmp_path / "m.json"
+    assert example.main(["--check", "--devices", ",".join(devs[:2]), "--json", str(path)]) == 1
+    assert json.loads(path.read_text())["largest_relative_difference"] is None  # JSON has no NaN
+
+
+def test_accuracy_builds_one_tf_function_per_model(monkeypatch):
+    """A new tf.function per call traces anew at every epoch: TensorFlow's retracing warnings."""
+    model, (x, y) = example.make_cnn((8, 8, 1)), example.load_data("digits")[1]
+    built, function = [], tf.function
+
+    def counted(*args, **kwargs):  # Keras calls tf.function too, also as a decorator factory
+        built.extend(["accuracy"] if "accuracy" in getattr(args[0] if args else None, "__qualname__", "") else [])
+        return function(*args, **kwargs)
+
+    monkeypatch.setattr(example.tf, "function", counted)
+    assert len({example.accuracy(model, x, y) for _ in range(3)}) == 1 and built == ["accuracy"]
 
 
 @pytest.mark.parametrize("name", ["train_multi_gpu", "train_pipelined"])

@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -104,3 +105,20 @@ def test_logdir_without_tensorboard_exits_2_with_the_fix(monkeypatch, capsys):
     with pytest.raises(SystemExit) as done:
         example.parse(["--logdir", "logs"])
     assert done.value.code == 2 and "pip install tensorboard" in capsys.readouterr().err
+
+
+def test_check_compares_full_batches_only_and_says_how_many(devs, capsys):
+    # The digits hold 3 full batches of 400: a 4th step would be a slice of 297 that 4 micro-batches cannot split.
+    argv = ["--check", "--batch", "400", "--micro-batches", "4", "--steps", "4", "--devices", ",".join(devs[:2])]
+    assert example.main(argv) == 0
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("check:"))
+    assert line.startswith("check: 3 steps (of 4 asked: the training set holds 3 full batches of 400)"), line
+
+
+def test_a_non_finite_difference_fails_the_check(devs, capsys):
+    (x, y), _ = example.load_data("digits")
+    x = x.copy()
+    x[:, 3, 3, 0] = np.nan  # one pixel of each image: its first batch holds some, were NaN not refused at load
+    args = example.parse(["--check", "--steps", "1", "--batch", "16", "--micro-batches", "2"])
+    assert np.isnan(example.check(args, devs[:2], x, y))
+    assert "(not finite: they differ)" in capsys.readouterr().out

@@ -152,6 +152,8 @@ def _pages(source: Path):
 
 def build(source: Path, target: Path, readme: Path = ROOT / "README.md") -> list[Path]:
     """Write the site; return the paths of the pages written, the front page first."""
+    if target.exists() and not target.is_dir():
+        raise NotebookError(f"{target} is a file, not a folder: give a folder for the site (made if missing)")
     pages, notebooks = _pages(source)
     existing = {"index.html"} | {name for name, _ in pages}
     exporter = _exporter()

@@ -48,7 +48,8 @@ def source(cell: dict) -> str:
 
 
 def tags(cell: dict) -> list:
-    return cell.get("metadata", {}).get("tags", [])
+    found = (cell.get("metadata") or {}).get("tags") or []  # metadata or tags null: none
+    return found if isinstance(found, list) else []
 
 
 def read_notebook(path: Path) -> dict:
@@ -59,9 +60,14 @@ def read_notebook(path: Path) -> dict:
         raise NotebookError(f"{path}: not a readable notebook ({err}); restore it with git") from None
     if not isinstance(notebook, dict) or not isinstance(notebook.get("cells"), list):
         raise NotebookError(f"{path}: has no list of cells; is it a notebook?")
-    for i, cell in enumerate(notebook["cells"]):
-        if not isinstance(cell, dict) or "cell_type" not in cell or "source" not in cell:
-            raise NotebookError(f"{path}: cell {i} has no cell_type or no source; fix or delete it in JupyterLab")
+    for i, part in enumerate([notebook, *notebook["cells"]]):
+        where = f"cell {i - 1}" if i else "the notebook"
+        if i and (not isinstance(part, dict) or "cell_type" not in part or "source" not in part):
+            raise NotebookError(f"{path}: {where} has no cell_type or no source; fix or delete it in JupyterLab")
+        if part.get("metadata") is None:  # null, as a hand edit or a tool may leave it: no metadata, as {}
+            part["metadata"] = {}
+        if not isinstance(part["metadata"], dict):
+            raise NotebookError(f"{path}: {where} has metadata {part['metadata']!r}, not an object; make it {{}}")
     return notebook
 
 

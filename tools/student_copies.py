@@ -77,10 +77,12 @@ class HandoutError(ValueError):
 
 
 def _placeholder(cell: dict, number: int) -> dict:
-    """An empty code cell for exercise `number`, shown (the course hides its solutions)."""
-    metadata = {k: v for k, v in cell.get("metadata", {}).items() if k not in ("jupyter", "tags")}
+    """An empty code cell for exercise `number`, shown (the course hides its solutions), with the
+    solution cell's id where it has one (nbformat 4.5 wants one on every cell)."""
+    metadata = {k: v for k, v in (cell.get("metadata") or {}).items() if k not in ("jupyter", "tags")}
     metadata["tags"] = [t for t in tags(cell) if t != "solution"]
-    return {"cell_type": "code", "metadata": metadata, "source": [PLACEHOLDER.format(number=number)]}
+    kept = {"id": cell["id"]} if "id" in cell else {}
+    return {"cell_type": "code", **kept, "metadata": metadata, "source": [PLACEHOLDER.format(number=number)]}
 
 
 def student_copy(notebook: dict, name: str = "notebook") -> dict:
@@ -143,6 +145,8 @@ def write_handout(source: Path, target: Path, archive: Path) -> list[Path]:
     except NotebookError as err:
         raise HandoutError(str(err)) from None
     _refuse_foreign(target)
+    if archive.is_dir():
+        raise HandoutError(f"--archive {archive} is a folder; give the zip file's path, e.g. {archive / 'student.zip'}")
     target.parent.mkdir(parents=True, exist_ok=True)
     building = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.")) / target.name
     try:

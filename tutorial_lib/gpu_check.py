@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import subprocess
@@ -80,14 +81,32 @@ def run_file(run: FileRun, folder: Path, timeout: float, examples: Path = EXAMPL
         processes.stop([child])
         child.communicate()
         return Result(run.name, "timeout", f"no result within {timeout:.0f} s; stopped"), {}
-    metrics = json.loads(out.read_text()) if out.exists() else {}
-    difference = metrics.get("largest_relative_difference")
-    if child.returncode in (0, 1) and (difference is not None or "step_ms" in metrics):
-        detail = f"largest relative difference {difference:.1e}" if difference is not None else ""
-        detail = detail or f"step {metrics['step_ms']:.1f} ms (one run of 20 steps)"
-        return Result(run.name, "pass" if child.returncode == 0 else "fail", detail), metrics
+    metrics = read_metrics(out)
+    if child.returncode in (0, 1) and ("largest_relative_difference" in metrics or "step_ms" in metrics):
+        return finished(run.name, child.returncode, metrics), metrics
     last = (err.decode(errors="replace").strip().splitlines() or ["no output"])[-1]
     return Result(run.name, "error", f"exited with status {child.returncode}: {last}"), metrics
+
+
+def read_metrics(path: Path) -> dict:
+    """The metrics a run wrote; {} if it wrote none, or no JSON object (the run then counts as an error)."""
+    try:
+        metrics = json.loads(path.read_text()) if path.exists() else {}
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return {}
+    return metrics if isinstance(metrics, dict) else {}
+
+
+def finished(name: str, code: int, metrics: dict) -> Result:
+    """A run that exited 0 or 1 with its metrics: a check passes on exit 0 with a finite difference, and
+    fails on a difference that is not a finite number (NaN, or null where the file wrote NaN as null),
+    whatever its exit status (`nan > 1e-5` is False: a NaN would pass a threshold)."""
+    if "largest_relative_difference" not in metrics:
+        return Result(name, "pass" if code == 0 else "fail", f"step {metrics['step_ms']:.1f} ms (one run of 20 steps)")
+    difference = metrics["largest_relative_difference"]
+    if isinstance(difference, bool) or not isinstance(difference, int | float) or not math.isfinite(difference):
+        return Result(name, "fail", f"largest relative difference {difference}: not finite")
+    return Result(name, "pass" if code == 0 else "fail", f"largest relative difference {difference:.1e}")
 
 
 def handoff_verdict(on: dict, off: dict) -> Result:

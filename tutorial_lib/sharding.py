@@ -1,14 +1,20 @@
 """Sharding (notebook 08's lessons, copied here): ZeRO stages 1-3 built from the ring's two halves
 on an MLP whose layers are flat vectors, and Megatron's f and g operators; each step adds the
 bytes each device sends to `traffic`.
+
+The package's `zero_step` and `memory_per_device` are the lessons with their arguments checked
+first (the guard rails at the end, beside the lesson code, never inside it).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import tensorflow as tf
 
+from . import checks
+from . import devices as _devices
 from .allreduce import all_gather, reduce_scatter, ring_all_reduce
 
 
@@ -192,3 +198,55 @@ def megatron_mlp(x_copies, a_parts, b_parts, devices, traffic):
         with tf.device(d):
             parts.append(tf.nn.relu(x @ a) @ b)
     return g_operator(parts, devices, traffic)
+
+
+# --- guard rails: the lessons' public names check their arguments before any write -----------
+
+
+def check_zero_step(state, devices, x, y, widths, stage, step, traffic) -> None:
+    """Refuse what zero_step cannot do right, before it writes `traffic` or any variable."""
+    checks.whole_number(step, "step")  # Adam's bias correction divides by 1 - beta_1**step: 0 at step 0
+    if stage not in SHARDED:
+        raise ValueError(f"stage must be one of {sorted(SHARDED)} (0: plain data parallelism), got {stage!r}.")
+    devices = checks.device_list(devices)
+    checks.same_length("devices", devices, "device states", state)
+    checks.same_length("devices", devices, "traffic counters", traffic)
+    if len(widths) - 1 != len(state[0]["params"]):
+        raise ValueError(f"widths {tuple(widths)} make {len(widths) - 1} layers, the state holds "
+                         f"{len(state[0]['params'])}: pass the widths the state was made for.")  # fmt: skip
+    if x.shape[0] != y.shape[0] or x.shape[0] % len(devices):
+        raise ValueError(f"{x.shape[0]} examples and {y.shape[0]} labels on {len(devices)} devices: give as "
+                         f"many labels as examples, a multiple of {len(devices)} (each device gets 1/N).")  # fmt: skip
+
+
+def _checked(lesson, check):
+    """`lesson`, with `check` run on its arguments first."""
+
+    @functools.wraps(lesson)
+    def checked(*args, **kwargs):
+        check(*args, **kwargs)
+        return lesson(*args, **kwargs)
+
+    return checked
+
+
+def _memory_per_device(lesson):
+    """`lesson` (memory_per_device) for device names in any form ('/CPU:0'): it matches the ends of
+    the variables' full names, so it is given the canonical names, and the table keeps the names given."""
+
+    @functools.wraps(lesson)
+    def memory(state, devices):
+        full = [_devices.normalize(d) for d in checks.device_list(devices)]
+        if len(set(full)) < len(full):
+            raise ValueError(f"devices {list(devices)} name a device twice; name each once.")
+        for v in (v for held in state for variables in held.values() for v in variables):
+            if not any(v.device.endswith(d) for d in full):
+                raise ValueError(f"a variable lives on {v.device}, not one of {list(devices)}: "
+                                 "pass the devices the state was made on (make_state).")  # fmt: skip
+        return dict(zip(devices, lesson(state, full).values(), strict=True))
+
+    return memory
+
+
+zero_step = _checked(zero_step, check_zero_step)
+memory_per_device = _memory_per_device(memory_per_device)
