@@ -9,6 +9,7 @@ with the mean and variance of the whole global batch, one all-reduce per layer.
 
     python train_multi_gpu.py [--devices /GPU:0,/GPU:1] [--epochs 3] [--batch 256]
     python train_multi_gpu.py --strategy mirrored     # the same under tf.distribute.MirroredStrategy
+    python train_multi_gpu.py --all-reduce ring       # another all-reduce than NCCL (or central)
     python train_multi_gpu.py --check --steps 20      # the same weights as one device?
 """
 
@@ -440,11 +441,17 @@ def choose_devices(args):
     return [d.name for d in tf.config.list_logical_devices("CPU")]
 
 
-def all_reduce_method(devices):
-    """NCCL where it runs: on GPUs that are distinct cards (not logical GPUs carved from one). Else the ring."""
+def all_reduce_method(devices, choice="auto"):
+    """(method, what to print) for --all-reduce: "auto" is NCCL where it runs, on GPUs that are distinct cards
+    (not logical GPUs carved from one), else the ring; "nccl" is refused elsewhere (exit 2, saying why)."""
     gpus = [d for d in devices if "GPU" in d.upper()]
     whole_cards = len(tf.config.list_logical_devices("GPU")) == len(tf.config.list_physical_devices("GPU"))
-    if len(gpus) == len(devices) and whole_cards:
+    nccl_runs = len(gpus) == len(devices) and whole_cards
+    if choice == "nccl" and not nccl_runs:
+        refuse("--all-reduce nccl: NCCL runs on distinct GPUs only, not on these devices; give --all-reduce ring")
+    if choice in ("nccl", "ring", "central"):
+        return choice, {"nccl": "NCCL", "ring": "a ring of copies", "central": "through the first device"}[choice]
+    if nccl_runs:
         return "nccl", "NCCL"
     return "ring", "a ring of copies (NCCL runs on distinct GPUs only, not on these devices)"
 
@@ -593,6 +600,8 @@ def parse(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--devices", help="comma-separated names (default: every GPU if 2 or more, else --simulate)")
     p.add_argument("--simulate", type=int, help="N logical CPU devices (default without 2 GPUs: 2)")
+    p.add_argument("--all-reduce", choices=("auto", "nccl", "ring", "central"), default="auto",
+                   help="how gradients and BN statistics are summed (auto: NCCL on whole GPUs, else ring)")  # fmt: skip
     p.add_argument("--strategy", choices=("replicated", "mirrored"), default="replicated",
                    help="replicated: this file's own loop; mirrored: MirroredStrategy, same model")  # fmt: skip
     p.add_argument("--epochs", type=int, default=5)
@@ -634,7 +643,7 @@ def main(argv=None):
     if args.batch > len(data[0][0]):  # batches() would give none: nothing trained, nothing compared
         most = len(data[0][0]) // len(devices) * len(devices)
         refuse(f"--batch {args.batch}: the training set holds {len(data[0][0])} images; give --batch {most} or less")
-    args.method, args.method_said = all_reduce_method(devices)
+    args.method, args.method_said = all_reduce_method(devices, args.all_reduce)
     metrics = {"largest_relative_difference": check(args, devices, data)} if args.check else train(args, devices, data)
     if args.json:
         head = {"devices": devices, "strategy": args.strategy, "all_reduce": args.method}

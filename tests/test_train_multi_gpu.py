@@ -28,8 +28,9 @@ def run(*args, timeout=600):
 def test_both_strategies_pass_check_on_three_devices(devs, capsys):
     argv = ["--check", "--steps", "6", "--batch", "24", "--devices", ",".join(devs[:3]), "--strategy"]
     assert [example.main([*argv, strategy]) for strategy in ("replicated", "mirrored")] == [0, 0]
+    assert example.main([*argv, "replicated", "--all-reduce", "central"]) == 0
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("check:")]
-    assert len(lines) == 2 and all("on 3 devices" in line and "(ok)" in line for line in lines), lines
+    assert len(lines) == 3 and all("on 3 devices" in line and "(ok)" in line for line in lines), lines
 
 
 def _one_device_keras(start, device, batches):
@@ -104,6 +105,10 @@ def test_all_reduce_is_the_ring_on_cpus_and_nccl_only_on_whole_gpus(monkeypatch)
     monkeypatch.setattr(tf.config, "list_logical_devices", lambda _kind=None: ["gpu"] * 4)  # carved from 2 cards
     method, said = example.all_reduce_method(["/GPU:0", "/GPU:1"])
     assert method == "ring" and "distinct GPUs" in said
+    assert example.all_reduce_method(["/GPU:0", "/GPU:1"], "central")[0] == "central"  # --all-reduce central
+    with pytest.raises(SystemExit) as stop:  # NCCL asked for where it cannot run
+        example.all_reduce_method(["/GPU:0", "/GPU:1"], "nccl")
+    assert stop.value.code == 2
 
 
 @pytest.mark.slow
