@@ -192,7 +192,8 @@ def test_cores_taken_sees_another_program_spinning_and_not_this_ones_own_work():
     import subprocess
     import sys
 
-    spinner = subprocess.Popen([sys.executable, "-c", "import time\nend = time.time() + 3\nwhile time.time() < end: pass"])
+    spin = "import time\nend = time.time() + 3\nwhile time.time() < end: pass"
+    spinner = subprocess.Popen([sys.executable, "-c", spin])
     try:
         taken = timing.cores_taken(1.0)
     finally:
