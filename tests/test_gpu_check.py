@@ -54,7 +54,8 @@ def test_make_gpu_check_runs_the_venvs_python_without_forcing_cpus(tmp_path):
     import shutil
     from pathlib import Path
 
-    shutil.copy(Path(__file__).parents[1] / "Makefile", tmp_path)
+    for name in ("Makefile", "course.mk"):
+        shutil.copy(Path(__file__).parents[1] / name, tmp_path)
     (tmp_path / "pyproject.toml").write_text("")
     (tmp_path / ".venv").mkdir()
     (tmp_path / ".venv" / ".installed").write_text("")  # newer than pyproject.toml: no install

@@ -85,7 +85,8 @@ def _fake_python(path: Path, version: str) -> str:
 
 
 def _scratch_project(tmp_path: Path, venv_version: str | None) -> Path:
-    shutil.copy(ROOT / "Makefile", tmp_path)
+    for name in ("Makefile", "course.mk"):
+        shutil.copy(ROOT / name, tmp_path)
     (tmp_path / "pyproject.toml").write_text("")
     if venv_version:  # a .venv that is installed and up to date
         (tmp_path / ".venv" / "bin").mkdir(parents=True)

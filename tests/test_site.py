@@ -6,6 +6,7 @@ import json
 import re
 import shutil
 import subprocess
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from html.parser import HTMLParser
 from pathlib import Path
@@ -75,13 +76,28 @@ def _pages() -> list[str]:
 
 
 @pytest.mark.slow
-def test_front_page_is_the_readme_with_links_to_every_page(site):
+def test_front_page_is_the_students_readme_with_links_to_every_page(site):
     page = _page(site, "index.html")
     text = " ".join(page.text)
-    for heading in re.findall(r"^## (.+)$", (ROOT / "README.md").read_text(), flags=re.MULTILINE):
+    for heading in re.findall(r"^## (.+)$", build_site.front_page_text(), flags=re.MULTILINE):
         assert build_site._plain(heading) in text, f"README section {heading!r} is missing from the front page"
+    assert "make test" not in text and "For contributors" not in text, "the front page is the teacher's README"
     for path in NOTEBOOKS:
         assert f"{path.stem}.html" in page.links, f"the front page does not link to {path.stem}.html"
+
+
+@pytest.mark.slow
+def test_the_site_names_only_what_the_handout_and_its_readme_hold(site, tmp_path):
+    """tools/handout_refs.py on the pages' text: paths and `make x` the hand-out lacks, README
+    sections its README lacks, solutions promised (the site removes them)."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    import handout_refs
+    import student_copies
+
+    handout = tmp_path / "student"
+    student_copies.write_handout(ROOT / "notebooks", handout, tmp_path / "student.zip")
+    found = handout_refs.check(handout, site)
+    assert found == [], "\n".join(found)
 
 
 @pytest.mark.slow

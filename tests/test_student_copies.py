@@ -16,6 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 ORIGINALS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 
 sys.path.insert(0, str(ROOT / "tools"))
+import handout_refs  # noqa: E402
 import notebook_format  # noqa: E402
 
 _spec = importlib.util.spec_from_file_location("student_copies", ROOT / "tools" / "student_copies.py")
@@ -163,27 +164,28 @@ def _make_targets(makefile: str) -> dict[str, str]:
     return targets
 
 
-def test_the_handout_names_only_files_and_make_targets_it_holds(handout):
-    """Its README and notebooks: every path exists in the hand-out, every `make x` runs without the
-    teacher's files, and the README is the students' own."""
+def test_the_handout_names_only_files_sections_targets_and_solutions_it_holds(handout):
+    """Its README, Makefile, environment.yml and notebooks (tools/handout_refs.py): every path
+    exists in the hand-out, every `make x` runs without the teacher's files, every README section
+    named is in its README, no solution is promised, no stored output spoken of."""
     folder, _ = handout
     readme = (folder / "README.md").read_text()
     assert "teacher/" not in readme and "make test" not in readme
-    targets = _make_targets((folder / "Makefile").read_text())
-    texts = {"README.md": readme}
-    for path in (folder / "notebooks").glob("*.ipynb"):
-        texts[path.name] = "\n".join("".join(c["source"]) for c in json.loads(path.read_text())["cells"])
-    missing = []
-    for name, text in texts.items():
-        for ref in notebook_format.PATH_REF.findall(text):
-            if not (folder / ref).exists():
-                missing.append(f"{name}: {ref}")
-        for target in re.findall(r"`make ([\w-]+)", text):
-            recipe = targets.get(target)
-            if recipe is None or re.search(r"\b(tools|tests|teacher)/", recipe):
-                missing.append(f"{name}: make {target}")
-    assert not missing, missing
-    for target in ("lab", "kernel"):  # every file their set-up needs is in the hand-out
+    found = handout_refs.unheld(handout_refs.handout_texts(folder), folder, readme, outputs_kept=False)
+    assert found == [], "\n".join(found)
+
+
+def test_the_handout_makefile_is_the_students(handout):
+    """lab, kernel, bench, gpu-check and clean; it installs the lab extra, not the test tools."""
+    folder, _ = handout
+    makefile = (folder / "Makefile").read_text()
+    assert set(_make_targets(makefile)) == {"install", "lab", "kernel", "bench", "gpu-check", "clean", "check-python"}
+    assert makefile.startswith("# Set up the course and open it: make lab.")
+    plan = subprocess.run(["make", "-n", "-B", "lab"], cwd=folder, capture_output=True, text=True)
+    assert plan.returncode == 0, plan.stderr
+    assert 'pip install --quiet -e ".[lab]"' in plan.stdout and "lab,test" not in plan.stdout
+    assert plan.stdout.index('echo "Setting up the course') < plan.stdout.index("pip install")
+    for target in ("kernel", "bench", "gpu-check", "clean"):
         plan = subprocess.run(["make", "-n", "-B", target], cwd=folder, capture_output=True, text=True)
         assert plan.returncode == 0, plan.stderr
 

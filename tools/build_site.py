@@ -2,8 +2,8 @@
 
     python tools/build_site.py notebooks site
 
-- site/index.html: the README, rendered, with its links to notebooks/*.ipynb pointing to
-  the pages;
+- site/index.html: the students' README (tools/student_copies.py) under a line that says what
+  the pages are, rendered, with its links to notebooks/*.ipynb pointing to the pages;
 - site/NN_name.html: each notebook with its stored outputs (nothing is executed),
   solution cells removed, every figure with alt text, and previous / home / next links.
 
@@ -35,11 +35,23 @@ from nbconvert.preprocessors import Preprocessor
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from notebook_format import NotebookError, check_exercises, check_no_leaks, read_notebook, tags  # noqa: E402
+from student_copies import student_readme  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TEMPLATE_DIR = Path(__file__).resolve().parent / "site_template"  # extends nbconvert's lab template
 _TITLE = re.compile(r"""(?:title|set_title|suptitle)\s*[=(]\s*f?(["'])(.+?)\1""")
 _LINK = re.compile(r'<a href="([^"]*)">(.*?)</a>', re.DOTALL)
+SITE_LINE = (
+    "These pages show the course's notebooks as they ran once, with their outputs and without the "
+    "exercises' solutions. To run them yourself, get the hand-out (`student.zip`) from your teacher "
+    "and follow *Start* below."
+)
+
+
+def front_page_text() -> str:
+    """The students' README with the site's own line under its title."""
+    title, _, rest = student_readme().partition("\n")
+    return f"{title}\n\n{SITE_LINE}\n{rest}"
 
 
 def _plain(markdown: str) -> str:
@@ -150,14 +162,14 @@ def _pages(source: Path):
     return [(p.stem + ".html", notebook_title(nb)) for p, nb in zip(paths, notebooks, strict=True)], notebooks
 
 
-def build(source: Path, target: Path, readme: Path = ROOT / "README.md") -> list[Path]:
+def build(source: Path, target: Path) -> list[Path]:
     """Write the site; return the paths of the pages written, the front page first."""
     if target.exists() and not target.is_dir():
         raise NotebookError(f"{target} is a file, not a folder: give a folder for the site (made if missing)")
     pages, notebooks = _pages(source)
     existing = {"index.html"} | {name for name, _ in pages}
     exporter = _exporter()
-    texts = {"index.html": _front_page(readme.read_text(), pages, existing)}
+    texts = {"index.html": _front_page(front_page_text(), pages, existing)}
     for i, nb in enumerate(notebooks):
         resources = {"metadata": {"name": pages[i][1]}, "course_nav": navigation(pages, i)}
         body, _ = exporter.from_notebook_node(nb, resources=resources)

@@ -3,8 +3,10 @@
     python tools/student_copies.py notebooks student      (or: make student)
 
 writes student/ and student.zip with the same content: the package, the examples, the set-up
-files, a README written for students, and student/notebooks/ with the student copies. Students unpack it and run
-`make lab`; a teacher serves student/notebooks on a shared server with `make student-lab`.
+files (course.mk as the Makefile: lab, kernel, bench, gpu-check, clean; it installs the lab extra
+only), a README written for students (which the site also shows), and student/notebooks/ with the
+student copies. Students unpack it and run `make lab`; a teacher serves student/notebooks on a
+shared server with `make student-lab`.
 Each solution cell (of any type) becomes a numbered placeholder ("# Exercise 2: your solution
 here"), after the check that the site shares (tools/notebook_format.py): every `### Exercise k`
 has exactly one solution cell under it, and no solution text or output survives in the copy.
@@ -27,20 +29,56 @@ from notebook_format import NotebookError, check_exercises, check_no_leaks, read
 
 ROOT = Path(__file__).resolve().parents[1]
 # What students need besides the notebooks to run `make lab` on their own machine.
-COURSE_FILES = ["LICENSE", "Makefile", "pyproject.toml", "environment.yml", "tutorial_lib", "examples"]
+COURSE_FILES = ["LICENSE", "pyproject.toml", "environment.yml", "tutorial_lib", "examples"]
 COURSE_FILES += ["tools/lab_overrides.json"]  # make install puts it where JupyterLab reads its defaults
+RENAMED = {"course.mk": "Makefile"}  # the set-up part of the teacher's Makefile, without its teacher targets
+HANDOUT = "/content/student"  # where the Colab cell unpacks the hand-out
+# The README's Colab cell, also in the teacher's README (tested): the unpacked hand-out on this
+# kernel's sys.path and, through PYTHONPATH, on that of the Pythons it starts (notebooks 00, 05, 07).
+COLAB_CELL = f"""\
+import importlib.util
+import os
+import sys
+
+if importlib.util.find_spec("tutorial_lib") is None:  # Colab already has TensorFlow and the rest
+    !unzip -q -o /content/student.zip -d /content
+    sys.path.insert(0, "{HANDOUT}")  # this notebook's Python
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, ["{HANDOUT}", os.environ.get("PYTHONPATH")]))
+"""
 README = """\
-# Multi-device training with TensorFlow: your copy of the course
+# Multi-device training with TensorFlow: the students' copy of the course
 
 Each notebook answers one question that someone asked about training on several devices,
-by measuring it on this machine. Work through them in order, `00` to the last.
+by measuring it on the machine it runs on. Work through them in order, `00` to the last.
+The hand-out (`student.zip`) holds the notebooks, with an empty cell for each exercise's
+solution and no outputs, the package they import, and the files that set them up.
+
+## The notebooks
+
+{course_table}
 
 ## Start
 
-- On your own machine: `make lab` (the first run installs the course's environment into
-  `.venv`, a few minutes), then open `notebooks/00_devices.ipynb` in the JupyterLab that opens.
-- On a shared JupyterHub or JupyterLab: run `make kernel` once in a terminal, then choose the
-  kernel it names in the notebook's kernel menu.
+Unpack the hand-out (`student.zip`) and open a terminal in its folder, `student/`. You need
+Python 3.10 to 3.13 (TensorFlow has no stable wheels for newer ones yet); no GPU.
+
+- **With make** (Linux, macOS, WSL): `make lab`. The first run says what it sets up, installs
+  the course into `.venv` (a few minutes, mostly TensorFlow), then opens JupyterLab; open
+  `notebooks/00_devices.ipynb` in it. `make clean` removes `.venv`.
+- **With pip only**: in a virtual environment of your own,
+
+  ```bash
+  python3 -m venv .venv
+  source .venv/bin/activate        # Windows: .venv\\Scripts\\activate
+  pip install -e ".[lab]"
+  jupyter lab notebooks/
+  ```
+
+  JupyterLab may ask whether it should fetch its news; either answer is fine.
+- **With conda**: `conda env create -f environment.yml`, `conda activate tf-multi-device`,
+  then `jupyter lab notebooks/`.
+- **On a shared JupyterHub or JupyterLab**: see *Shared servers* below.
+- **On Colab**: see *Colab* below.
 
 ## What is where
 
@@ -49,6 +87,8 @@ by measuring it on this machine. Work through them in order, `00` to the last.
 - `tutorial_lib/`: the plumbing the notebooks import (devices, timing, plots), and tested
   copies of the code the notebooks teach.
 - `examples/`: the answers to take away, one file each, to copy into your own project.
+- `make bench` runs the course's benchmark on your machine; `make gpu-check`, on a machine
+  with GPUs, checks the take-away files on them and prints a report.
 
 ## Exercises
 
@@ -56,11 +96,27 @@ Each exercise sits under a heading `### Exercise k · title`, with an empty cell
 `# Exercise k: your solution here` under it. Write your solution there and run it; where the
 exercise says what to check, check it with an `assert`.
 
-## Benchmark cells on a shared server
+## Shared servers
 
-The cells that time something use the machine's CPU cores as devices. On a shared server
-without a set of cores per student, everyone's devices land on the same cores and the times
-mean little: run those cells in turns, or on your own machine.
+- **A JupyterHub or shared JupyterLab** that runs from another environment: in a terminal on
+  it, in this folder, run `make kernel` once. It sets up `.venv` as on your own machine and
+  registers it as the kernel "Python (tf-multi-device course)"; choose that kernel in the
+  notebook's *Kernel, Change Kernel* menu.
+- **Timing cells in turns.** The cells that time something use the machine's CPU cores as
+  devices. On a shared server without a set of cores for each student, everyone's devices
+  land on the same cores and the times mean little: run those cells in turns, or on your own
+  machine.
+
+## Colab
+
+Colab has TensorFlow. Upload `student.zip` with Colab's file browser (into `/content`), open a
+notebook of the hand-out, and put this cell first, above `devices.simulate(...)`:
+
+```python
+{colab_cell}```
+
+It unpacks the hand-out into `{handout}` and lets this notebook, and the Python processes it
+starts, import `tutorial_lib` from it. Leave `TUTORIAL_DEVICE` unset there.
 
 ## Help
 
@@ -114,10 +170,23 @@ def _refuse_foreign(target: Path) -> None:
         raise HandoutError(f"{target} exists and was not written by this tool; choose another folder")
 
 
+def course_table() -> str:
+    """The teacher's README's table of the notebooks and their questions."""
+    section = (ROOT / "README.md").read_text().split("\n## The course\n", 1)[1].split("\n## ", 1)[0]
+    return "\n".join(line for line in section.strip().split("\n\n")[0].splitlines() if line.startswith("|"))
+
+
+def student_readme() -> str:
+    """The hand-out's README, which the site also shows as its front page."""
+    return README.format(course_table=course_table(), colab_cell=COLAB_CELL, handout=HANDOUT)
+
+
 def _copy_course(target: Path) -> None:
     (target / "notebooks").mkdir(parents=True)
     (target / MARKER).write_text("written by tools/student_copies.py; replaced on every run\n")
-    (target / "README.md").write_text(README)
+    (target / "README.md").write_text(student_readme())
+    for source, name in RENAMED.items():
+        shutil.copy2(ROOT / source, target / name)
     for name in COURSE_FILES:
         source = ROOT / name
         if source.is_dir():

@@ -94,11 +94,30 @@ def start(n: int) -> list[str]:
         processes.stop([w.process for w in started], grace=2.0)
         raise
     workers.extend(started)
+    atexit.register(_no_remote_removals_at_exit)  # runs before the workers stop: registered after
     pids = ",".join(str(w.process.pid) for w in started)
     watcher = [sys.executable, core_worker.__file__, "--watch", pids, str(log_dir), str(FROZEN_LIMIT_S)]
     processes.spawn(watcher, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     threading.Thread(target=_report_exits, args=(list(started),), name="core-device-exits", daemon=True).start()
     return [device_name(task) for task in range(n)]
+
+
+def _no_remote_removals_at_exit() -> None:
+    """Let the exit pass without asking stopped workers to forget this process's functions.
+
+    When Python deletes a `tf.function`, TensorFlow asks every connected worker to remove it
+    (`EagerContext::RemoveFunction`). At exit most are deleted after the atexit handlers, so after
+    `processes` stopped the workers, and each request logs four lines "Failed to remove function
+    remotely ... Connection refused" (notebook 05's kernel: 179 lines). TensorFlow skips the request
+    once its table of function references is None, as it is while its modules are torn down
+    (`atomic_function.AtomicFunction.__del__`); set it so now, when no step runs again.
+    """
+    try:
+        from tensorflow.python.eager.polymorphic_function import atomic_function
+    except ImportError:  # another TensorFlow layout: the lines may come back, nothing breaks
+        return
+    if hasattr(atomic_function, "RUNTIME_FUNCTION_REFS"):
+        atomic_function.RUNTIME_FUNCTION_REFS = None
 
 
 def check_workers() -> None:
