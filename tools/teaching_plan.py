@@ -3,8 +3,8 @@
     python tools/teaching_plan.py            print the plan's table (Markdown)
     python tools/teaching_plan.py --write    put it into README.md between its two markers
 
-A session takes consecutive notebooks' core paths up to SESSION_MINUTES; the deep dives are
-homework. tests/test_teaching.py checks that the README holds exactly this table.
+A session of SESSION_MINUTES takes consecutive notebooks' core paths up to CORE_MINUTES: the
+rest is slack for setting up, restarting a kernel and questions. The deep dives are homework. tests/test_teaching.py checks that the README holds exactly this table.
 """
 
 import argparse
@@ -18,6 +18,7 @@ from notebook_format import TIME  # noqa: E402  (one pattern for the Time line, 
 
 ROOT = Path(__file__).resolve().parents[1]
 SESSION_MINUTES = 90
+CORE_MINUTES = 75  # of each session's 90: 15 minutes of slack
 START, END = "<!-- teaching plan: written by tools/teaching_plan.py -->", "<!-- end of the teaching plan -->"
 
 
@@ -54,7 +55,7 @@ def core_reading_minutes(path: Path) -> float:
     return words / WORDS_PER_MINUTE
 
 
-def sessions(times: list[dict], limit: int = SESSION_MINUTES) -> list[list[dict]]:
+def sessions(times: list[dict], limit: int = CORE_MINUTES) -> list[list[dict]]:
     """Consecutive notebooks, packed into sessions whose core paths add up to at most `limit`
     minutes (a notebook longer than that gets a session of its own)."""
     packed = [[]]
@@ -68,7 +69,8 @@ def sessions(times: list[dict], limit: int = SESSION_MINUTES) -> list[list[dict]
 def plan_table(notebooks: Path = ROOT / "notebooks") -> str:
     times = [notebook_times(p) for p in sorted(notebooks.glob("*.ipynb"))]
     rows = [
-        "| session | notebook | core path | in class | deep dives (homework) |",
+        f"| session ({SESSION_MINUTES} min, at most {CORE_MINUTES} of core path) | notebook | core path | in class "
+        "| deep dives (homework) |",
         "| --- | --- | --- | --- | --- |",
     ]
     for number, session in enumerate(sessions(times), start=1):
