@@ -85,7 +85,7 @@ def test_check_finds_a_replica_that_normalizes_with_its_own_batch(devs, monkeypa
     (x, y), test = example.load_data("digits")
     args = example.parse(["--check", "--steps", "3", "--batch", "16", "--simulate", "2"])
     args.method, args.method_said = "ring", "ring"
-    monkeypatch.setattr(example, "sync_batch_norm", _per_device_batch_norm)
+    monkeypatch.setattr(example, "sync_bn32", _per_device_batch_norm)  # the statistics of the program's step
     assert example.check(args, devs[:2], ((x, y), test)) > 1e-3
 
 
