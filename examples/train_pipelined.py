@@ -216,9 +216,56 @@ def mean_cross_entropy(probabilities, labels):
 def pipeline(args, devices, input_shape, wait=True):
     """The stages, Adam per stage, and the pipelined and naive (one micro-batch) steps over them."""
     stages = build_stages(devices, input_shape)
+    refuse_batch_norm(stages)
     optimizers = one_optimizer_per_stage(stages, devices, lambda: keras.optimizers.Adam(1e-3))
     steps = [schedule(len(devices), m, args.schedule) for m in (args.micro_batches, 1)]
     return stages, *(make_train_steps(stages, devices, o, mean_cross_entropy, None, optimizers, wait) for o in steps)
+
+
+def refuse_batch_norm(stages):
+    """A BatchNormalization in a stage would normalize each micro-batch alone and move its moving
+    statistics M times a step: not the model's batch norm. Refused, as tutorial_lib's Pipeline does."""
+    for stage in stages:
+        for layer in stage.layers:
+            if isinstance(layer, keras.layers.BatchNormalization):
+                raise ValueError(f"{layer.name}: a pipeline stage runs each micro-batch alone, so batch norm "
+                                 "would use micro-batch statistics and update its moving ones M times a step. "
+                                 "Use LayerNormalization or GroupNormalization, or data parallelism.")  # fmt: skip
+
+
+def expected(S, M):
+    """(bubble, ideal speedup over the naive split) of S equal stages and M micro-batches."""
+    return (S - 1) / (M + S - 1), S * M / (M + S - 1)
+
+
+def data_parallel_step(devices, input_shape):
+    """The same model whole on every device (data parallelism), each on its share of the batch, the
+    gradients summed on the first device and sent back, one Adam per replica: a tf.function of (xs, ys)
+    as the pipeline's, to time against it on the same devices."""
+    replicas, adams = [], []
+    for device in devices:
+        with tf.device(device):
+            replicas.append(build_stages([device], input_shape)[0])
+            adams.append(keras.optimizers.Adam(1e-3))
+            adams[-1].build(replicas[-1].trainable_variables)
+
+    @tf.function
+    def step(xs, ys):
+        grads, losses = [], []
+        for device, replica, x, y in zip(devices, replicas, tf.split(xs[0], len(devices)),
+                                         tf.split(ys[0], len(devices)), strict=True):  # fmt: skip
+            with tf.device(device), tf.GradientTape() as tape:
+                losses.append(mean_cross_entropy(replica(x, training=True), y))
+            with tf.device(device):
+                grads.append(tape.gradient(losses[-1], replica.trainable_variables))
+        with tf.device(devices[0]):
+            summed = [tf.add_n(list(g)) / len(devices) for g in zip(*grads, strict=True)]
+        for device, replica, adam in zip(devices, replicas, adams, strict=True):
+            with tf.device(device):
+                adam.apply([tf.identity(g) for g in summed], replica.trainable_variables)
+        return tf.stack([tf.add_n(losses) / len(devices)])
+
+    return step
 
 
 MNIST_CACHE = Path.home() / ".keras/datasets/mnist.npz"
@@ -388,7 +435,8 @@ def parse(argv):
     p.add_argument("--devices", help="1 to 3 comma-separated device names (default: 3 GPUs, or --simulate 3)")
     p.add_argument("--simulate", type=int, choices=(1, 2, 3), help="N logical CPU devices (default without 3 GPUs)")
     p.add_argument("--schedule", choices=SCHEDULES, default="1f1b")
-    p.add_argument("--micro-batches", type=int, default=4, help="M, micro-batches per step (must divide --batch)")
+    p.add_argument("--micro-batches", type=int, default=8,
+                   help="M, micro-batches per step (must divide --batch); 8: a bubble of 2/10 on 3 stages")  # fmt: skip
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--steps", type=int, default=100, help="steps to train (with --check: to compare)")
     p.add_argument("--handoff-wait", choices=("auto", "on", "off"), default="auto",
@@ -471,7 +519,10 @@ def train(args, devices, data):
                 tf.summary.scalar("loss", loss)
                 tf.summary.scalar("images_per_second", (k + 1) * args.batch / (time.perf_counter() - start))
 
-    print(f"{args.steps} steps of {args.batch} examples, {args.schedule} with M={args.micro_batches}, on {devices}")
+    bubble, ideal = expected(len(devices), args.micro_batches)
+    print(f"{args.steps} steps of {args.batch} examples, {args.schedule} with M={args.micro_batches}, on {devices}: "
+          f"with equal stages each device idles {bubble:.0%} of a step (the bubble, (S-1)/(M+S-1)), and the "
+          f"ideal speedup over the naive split is {ideal:.2f}x (S*M/(M+S-1)); unequal stages get less")  # fmt: skip
     staged_training(train_steps, [(x_train[i], y_train[i]) for i in picks], devices[0], on_step)
     accuracy = float(np.mean(np.argmax(keras.Sequential(stages).predict(x_test, verbose=0), -1) == y_test))
     if writer:
@@ -481,16 +532,35 @@ def train(args, devices, data):
         x = tf.constant(x_train[picks[0]])
     with tf.device(devices[-1]):
         y = tf.constant(y_train[picks[0]])
-    times = timed({"pipelined": lambda: train_steps([x], [y]), "naive split": lambda: naive([x], [y])})
+    variants = {"pipelined": lambda: train_steps([x], [y]), "naive split": lambda: naive([x], [y])}
+    if len(devices) > 1 and args.batch % len(devices) == 0:
+        data_parallel = data_parallel_step(devices, tuple(x_train.shape[1:]))
+        variants["data parallel"] = lambda: data_parallel([x], [y])
+    times = timed(variants)
     ratio, low, high, verdict = speedup(times["pipelined"], times["naive split"])
     with tempfile.TemporaryDirectory() as scratch:
         shares = busy_shares(train_steps, [x], [y], devices, args.logdir if args.profile else scratch)
     step_ms, naive_ms = times["pipelined"][0] * 1e3, times["naive split"][0] * 1e3
-    print(f"test accuracy {accuracy:.3f}; step {step_ms:.1f} ms, naive split {naive_ms:.1f} ms: "
-          f"{ratio:.2f}x (range {low:.2f}-{high:.2f}, {verdict})")  # fmt: skip
+    _, ideal = expected(len(devices), args.micro_batches)
+    print(f"test accuracy {accuracy:.3f}; step {step_ms:.1f} ms, naive split {naive_ms:.1f} ms: {ratio:.2f}x "
+          f"(range {low:.2f}-{high:.2f}, {verdict}; the ideal for equal stages is {ideal:.2f}x)")  # fmt: skip
     print("busy share per device:", ", ".join(f"{d} {share:.0%}" for d, share in shares.items()))
-    return {"test_accuracy": accuracy, "step_ms": step_ms, "naive_ms": naive_ms, "speedup": ratio,
-            "speedup_range": [low, high], "verdict": verdict, "busy_share": shares}  # fmt: skip
+    metrics = {"test_accuracy": accuracy, "step_ms": step_ms, "naive_ms": naive_ms, "speedup": ratio,
+               "speedup_range": [low, high], "verdict": verdict, "busy_share": shares}  # fmt: skip
+    if "data parallel" in times:
+        metrics.update(versus_data_parallel(times))
+    return metrics
+
+
+def versus_data_parallel(times):
+    """The pipeline against data parallelism on the same devices, and what to use."""
+    ratio, low, high, verdict = speedup(times["pipelined"], times["data parallel"])
+    advice = {"slower": "use data parallelism: this model fits on one device, and it is faster",
+              "faster": "the pipeline is faster here"}.get(verdict, "no clear winner: measure your model")  # fmt: skip
+    print(f"against data parallelism on the same devices ({times['data parallel'][0] * 1e3:.1f} ms): the pipeline "
+          f"is {ratio:.2f}x (range {low:.2f}-{high:.2f}, {verdict}): {advice}")  # fmt: skip
+    return {"data_parallel_ms": times["data parallel"][0] * 1e3, "speedup_vs_data_parallel": ratio,
+            "speedup_vs_data_parallel_range": [low, high], "advice": advice}  # fmt: skip
 
 
 def main(argv=None):

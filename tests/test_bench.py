@@ -360,3 +360,21 @@ def test_cli_on_core_devices_by_default(tmp_path):
     assert all(r["efficiency_verdict"] in VERDICTS for r in found if r["case"] == "weak scaling")
     fits = [r for r in found if r["case"] == "all-reduce fit"]
     assert [r["variant"] for r in fits] == ["central (central model)", "ring (ring model)"]
+
+
+def test_steps_in_one_call_are_the_same_steps_as_one_call_each(devs):
+    import numpy as np
+    import tensorflow as tf
+
+    from tutorial_lib import models, towers
+    from tutorial_lib.bench import scaling
+
+    x, y = tf.random.stateless_normal([8, 64], [0, 3]), tf.constant(np.arange(8) % 10, tf.int32)
+    nets = [models.MLP(hidden=(16,), seed=0) for _ in range(2)]
+    steps = [towers.make_train_step(net, devs[:2], 0.1) for net in nets]
+    scaling.in_one_call(steps[0], 3)(x, y)
+    for _ in range(3):
+        steps[1](x, y)
+    for a, b in zip(nets[0].trainable_variables, nets[1].trainable_variables, strict=True):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-6)
+    assert scaling.in_one_call(steps[1], 1) is steps[1]

@@ -1,6 +1,7 @@
 """The GPU check: its report for any number of GPUs, its CPU path, and the take-away files' runs,
 with fake files that pass, fail, err and sleep past the deadline."""
 
+import json
 import subprocess
 
 import pytest
@@ -191,3 +192,17 @@ def test_a_timeout_that_is_not_positive_is_refused(timeout, capsys):
     with pytest.raises(SystemExit) as stop:
         gpu_check.main(["--timeout", timeout])
     assert stop.value.code == 2 and "give the seconds a run may take, > 0" in capsys.readouterr().err
+
+
+def test_the_audit_child_reports_every_op_with_its_owner_on_logical_devices(devs, tmp_path, capsys):
+    from tutorial_lib import gpu_audit
+
+    out = tmp_path / "audit.json"
+    assert gpu_audit.main(["--devices", ",".join(devs[:3]), "--json", str(out)]) == 0
+    counts = json.loads(out.read_text())
+    assert counts["misplaced"] == 0 and counts["ops_checked"] > 1000 and counts["variables_checked"] > 50
+    printed = capsys.readouterr().out
+    assert "sync-BN step: placement:" in printed and "pipelined step: placement:" in printed
+    result = gpu_check.finished("audit", 1, {**counts, "misplaced": 3})
+    assert result.status == "fail" and result.detail.endswith("3 misplaced")
+    assert gpu_check.run_audit(1, 5) == []  # one GPU: nothing to audit across

@@ -8,7 +8,7 @@ import tensorflow as tf
 from test_train_multi_gpu import example  # noqa: E402 (tests/ is on sys.path)
 from test_train_pipelined import example as pipelined  # noqa: E402
 
-from tutorial_lib import allreduce, models, pipeline, placement, replicated
+from tutorial_lib import allreduce, models, pipeline, placement, replicated, towers
 from tutorial_lib.strategy import mirrored_strategy, mirrored_train_step
 
 GPUS = [f"/GPU:{i}" for i in range(8)]
@@ -146,6 +146,20 @@ def test_the_replicated_step_keeps_each_replica_on_its_device(devs, optimizer):
     gpu_step = replicated.make_train_step(gpu_replicas, GPUS[:4], learning_rate=0.1, method="nccl")
     gpu_owners = {d: list(r.variables) for d, r in zip(GPUS[:4], gpu_replicas, strict=True)}
     assert placement.audit(gpu_step, tf.zeros([8, 64]), y, owners=gpu_owners).ok
+
+
+def test_the_tower_step_runs_each_tower_on_its_device_and_averages_on_the_controller(devs):
+    with tf.device(devs[0]):
+        model = models.MLP(seed=0)
+    step = towers.make_train_step(model, devs[:3], learning_rate=0.1)
+    x, y = tf.reshape(_batch(6)[0], [6, 64]), _batch(6)[1]
+    scopes = {f"tower_{i}": d for i, d in enumerate(devs[:3])}  # the towers read the controller's weights
+    for run in (False, True):
+        report = placement.audit(step, x, y, owners={devs[0]: model.variables}, scopes=scopes, run=run)
+        assert report.ok and report.ops_checked > 30, report
+    gpu_step = towers.make_train_step(model, GPUS[:3], learning_rate=0.1)  # traced on GPU names
+    gpu_scopes = {f"tower_{i}": d for i, d in enumerate(GPUS[:3])}
+    assert placement.audit(gpu_step, x, y, owners={GPUS[0]: model.variables}, scopes=gpu_scopes).ok
 
 
 def test_the_mirrored_strategy_step_keeps_each_copy_on_its_device(devs):

@@ -186,3 +186,26 @@ def test_busy_warning_only_above_the_core_count_and_says_what_it_does_to_the_fig
     message = timing.busy_warning(3.5, 2)
     assert "load average 3.5 on 2 cores" in message
     assert "ratios become noisy and speedups shrink" in message
+
+
+def test_cores_taken_sees_another_program_spinning_and_not_this_ones_own_work():
+    import subprocess
+    import sys
+
+    spin = "import time\nend = time.time() + 3\nwhile time.time() < end: pass"
+    spinner = subprocess.Popen([sys.executable, "-c", spin])
+    try:
+        taken = timing.cores_taken(1.0)
+    finally:
+        spinner.kill()
+        spinner.wait()
+    assert taken is not None and taken >= 0.6, taken  # the spinner holds about one core
+
+
+def test_machine_state_says_busy_with_the_cores_taken_and_quiet_below_a_quarter_core():
+    busy, sentence = timing.machine_state(1.3, 2)
+    assert busy and sentence.startswith("busy machine: other programs kept 1.3 of 2 cores busy")
+    assert timing.machine_state(0.1, 2) == (False, "quiet machine: other programs kept 0.10 of 2 cores busy")
+    assert timing.machine_state(None, 2)[0] is False
+    fast, slow = timing.Timing(1.0, 0.1, 9), timing.Timing(2.0, 0.1, 9)
+    assert timing.verdict(fast, slow) == "faster" and timing.verdict(fast, slow, busy=True) == "busy machine"

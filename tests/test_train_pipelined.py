@@ -6,8 +6,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "train_pipelined.py"
@@ -57,6 +59,31 @@ def test_a_default_run_prints_its_speedup_and_busy_shares_and_writes_json(tmp_pa
     assert len(metrics["busy_share"]) == 2 and all(0 < share <= 1 for share in metrics["busy_share"].values())
     assert 0 <= metrics["test_accuracy"] <= 1 and metrics["speedup"] > 0
     assert list(logs.glob("events.out.tfevents.*")), "no TensorBoard scalars in --logdir"
+    # What to expect, said at the start (S = 2, the default M = 8), and the data-parallel comparison at the end.
+    assert "idles 11% of a step" in done.stdout and "ideal speedup over the naive split is 1.78x" in done.stdout
+    assert metrics["speedup_vs_data_parallel"] > 0 and "against data parallelism" in done.stdout
+    assert metrics["advice"] in done.stdout
+
+
+def test_a_batch_norm_in_a_stage_is_refused_saying_what_to_use(monkeypatch, devs):
+    build = example.build_stages
+
+    def with_batch_norm(devices, input_shape):
+        stages = build(devices, input_shape)
+        with tf.device(devices[0]):
+            stages[0] = keras.Sequential(
+                [keras.Input(input_shape), keras.layers.BatchNormalization(), *stages[0].layers]
+            )
+        return stages
+
+    monkeypatch.setattr(example, "build_stages", with_batch_norm)
+    args = example.parse(["--micro-batches", "2"])
+    with pytest.raises(ValueError, match="micro-batch statistics.*LayerNormalization"):
+        example.pipeline(args, devs[:2], (8, 8, 1))
+
+
+def test_the_expected_bubble_and_ideal_speedup_are_the_formulas():
+    assert example.expected(3, 8) == (2 / 10, 24 / 10) and example.expected(1, 4) == (0.0, 1.0)
 
 
 @pytest.mark.parametrize(

@@ -5,7 +5,8 @@
 The course is built and tested on CPUs. On a machine with 2 or more GPUs this runs the files as a
 reader would, 20 steps each, every one in a child process stopped after `--timeout` seconds (NCCL
 can hang): `examples/train_multi_gpu.py --check` (NCCL all-reduce; then `--strategy mirrored`),
-`examples/train_pipelined.py --check` on up to 3 GPUs, and the pipeline's training with the
+`examples/train_pipelined.py --check` on up to 3 GPUs, the placement audit of both files' steps
+(`tutorial_lib.gpu_audit`: where each op ran), and the pipeline's training with the
 hand-off wait on and off, timed. It exits 1 when a run fails, errs or times out. With one GPU it
 runs nothing and says what the files would need; with none, it says so.
 """
@@ -46,8 +47,11 @@ class Result:
 @dataclass(frozen=True)
 class FileRun:
     name: str
-    file: str  # in examples/
+    file: str  # in examples/, or AUDIT: the placement audit of their steps (tutorial_lib.gpu_audit)
     args: tuple[str, ...]
+
+
+AUDIT = "tutorial_lib.gpu_audit"
 
 
 def file_runs(gpus: int) -> list[FileRun]:
@@ -69,11 +73,12 @@ def file_runs(gpus: int) -> list[FileRun]:
 def run_file(run: FileRun, folder: Path, timeout: float, examples: Path = EXAMPLES) -> tuple[Result, dict]:
     """Run one take-away file in a child with `--json`; its result, and the metrics it wrote."""
     path, out = examples / run.file, folder / f"{len(list(folder.iterdir()))}.json"
-    if not path.exists():
+    if run.file != AUDIT and not path.exists():
         return Result(run.name, "missing", f"{path} is not there: this copy of the course lacks it"), {}
+    program = ["-m", AUDIT] if run.file == AUDIT else [str(path)]
     env = {k: v for k, v in os.environ.items() if k != "TUTORIAL_DEVICE"}
     env["NVIDIA_TF32_OVERRIDE"] = "0"  # float32 checks: no TF32 in cuBLAS and cuDNN
-    child = processes.spawn([sys.executable, str(path), *run.args, "--json", str(out)], env=env,
+    child = processes.spawn([sys.executable, *program, *run.args, "--json", str(out)], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
     try:
         _, err = child.communicate(timeout=timeout)
@@ -82,7 +87,7 @@ def run_file(run: FileRun, folder: Path, timeout: float, examples: Path = EXAMPL
         child.communicate()
         return Result(run.name, "timeout", f"no result within {timeout:.0f} s; stopped"), {}
     metrics = read_metrics(out)
-    if child.returncode in (0, 1) and ("largest_relative_difference" in metrics or "step_ms" in metrics):
+    if child.returncode in (0, 1) and {"largest_relative_difference", "step_ms", "misplaced"} & set(metrics):
         return finished(run.name, child.returncode, metrics), metrics
     last = (err.decode(errors="replace").strip().splitlines() or ["no output"])[-1]
     return Result(run.name, "error", f"exited with status {child.returncode}: {last}"), metrics
@@ -101,6 +106,9 @@ def finished(name: str, code: int, metrics: dict) -> Result:
     """A run that exited 0 or 1 with its metrics: a check passes on exit 0 with a finite difference, and
     fails on a difference that is not a finite number (NaN, or null where the file wrote NaN as null),
     whatever its exit status (`nan > 1e-5` is False: a NaN would pass a threshold)."""
+    if "misplaced" in metrics:
+        counts = f"{metrics['ops_checked']} ops and {metrics['variables_checked']} variables checked"
+        return Result(name, "pass" if code == 0 else "fail", f"{counts}, {metrics['misplaced']} misplaced")
     if "largest_relative_difference" not in metrics:
         return Result(name, "pass" if code == 0 else "fail", f"step {metrics['step_ms']:.1f} ms (one run of 20 steps)")
     difference = metrics["largest_relative_difference"]
@@ -132,6 +140,20 @@ def run_files(gpus: int, timeout: float, examples: Path = EXAMPLES) -> list[Resu
             results.append(result)
             metrics.append(written)
     return [*results, handoff_verdict(metrics[-2], metrics[-1])]
+
+
+def run_audit(gpus: int, timeout: float) -> list[Result]:
+    """The placement audit of both files' steps on every GPU, in a child (NCCL can hang)."""
+    if gpus < 2:
+        return []
+    run = FileRun("placement audit of both steps (where each op ran)", AUDIT, ("--devices", all_gpus(gpus)))
+    print(f"running: {run.name} ...", file=sys.stderr, flush=True)
+    with tempfile.TemporaryDirectory(prefix="gpu_check_") as folder:
+        return [run_file(run, Path(folder), timeout)[0]]
+
+
+def all_gpus(gpus: int) -> str:
+    return ",".join(f"/GPU:{i}" for i in range(gpus))
 
 
 # --- the report ------------------------------------------------------------------------
@@ -207,7 +229,7 @@ def main(argv=None) -> int:
     if not args.timeout > 0:
         parser.error(f"--timeout {args.timeout}: give the seconds a run may take, > 0 (default {CHECK_TIMEOUT_S:.0f})")
     gpus = gpu_names()
-    results = run_files(len(gpus), args.timeout) if gpus else []
+    results = [*run_files(len(gpus), args.timeout), *run_audit(len(gpus), args.timeout)] if gpus else []
     print(report(versions(), gpus, results))
     if gpus:
         print(f"\nPaste the report above into {WHERE_TO_PASTE}.")

@@ -9,6 +9,8 @@ optimizer state (step counter, slots) and random-seed state. Every op then gets 
   differentiates, whose tensors it reads;
 - an op of an all-reduce (by name scope, or a collective or NCCL type), and a copy (`tf.identity`):
   any owner, since it moves data between them;
+- an op inside a name scope given in `scopes` ({scope: device}, as `tower_0` for notebook 02's
+  towers, whose variables all live on the controller): that device;
 - any other op: a device that one of its inputs belongs to.
 
 Ops fed only by the batch and constants (the split of the batch) have no owner and are not checked.
@@ -74,9 +76,10 @@ def tf_variable(v) -> tf.Variable:
     return v if isinstance(v, tf.Variable) else v.value
 
 
-def audit(step, *args, owners, run: bool = False, **kwargs) -> Report:
+def audit(step, *args, owners, scopes=None, run: bool = False, **kwargs) -> Report:
     """Check `step(*args, **kwargs)` (a tf.function or a Python function) against `owners`,
-    {device: iterable of variables}: by requested devices, or by where each op ran (`run=True`)."""
+    {device: iterable of variables}, and `scopes`, {name scope: device}: by requested devices, or by
+    where each op ran (`run=True`)."""
     owner_of = _owner_map(owners)
     function = step if hasattr(step, "get_concrete_function") else tf.function(step)
     graph = function.get_concrete_function(*args, **kwargs).graph
@@ -84,7 +87,8 @@ def audit(step, *args, owners, run: bool = False, **kwargs) -> Report:
     ran = {name: device for name, _, device in timeline.placement(function, *args, **kwargs)} if run else {}
     captured = {inner.op.name: owner_of[id(ext)] for ext, inner in graph.captures if id(ext) in owner_of}
     where = lambda op, beside=None: _where(op, beside, ran, run, default)  # noqa: E731
-    report = _check_ops(graph, captured, set(owner_of.values()), where)
+    scoped = {scope: normalize(device) for scope, device in (scopes or {}).items()}
+    report = _check_ops(graph, captured, set(owner_of.values()) | set(scoped.values()), where, scoped)
     _check_variables(owners, report)
     return report
 
@@ -109,7 +113,7 @@ def _where(op, beside, ran: dict[str, str], run: bool, default: str) -> str | No
     return normalize(op.device) if op.device else beside or default
 
 
-def _check_ops(graph, captured: dict[str, str], devices: set[str], where) -> Report:
+def _check_ops(graph, captured: dict[str, str], devices: set[str], where, scoped: dict[str, str]) -> Report:
     returned = {t.op.name for t in graph.outputs}  # handed to the caller, wherever it runs
     ops = [op for op in graph.get_operations() if op.name not in returned]
     scopes = _scopes(ops)
@@ -119,7 +123,8 @@ def _check_ops(graph, captured: dict[str, str], devices: set[str], where) -> Rep
         if op.name in captured or op.type in ("Placeholder", "Const", "NoOp"):
             continue
         variables = {captured[t.op.name] for t in op.inputs if t.op.name in captured}
-        allowed = set(variables) or _allowed(op, scopes, home, devices, where)
+        in_scope = {scoped[part] for part in op.name.split("/") if part in scoped}
+        allowed = set(variables) or in_scope or _allowed(op, scopes, home, devices, where)
         device = where(op, next(iter(variables), None))
         if not allowed or device is None:  # not owned, or optimized away by the run
             home[op.name] = next(iter(allowed)) if len(allowed) == 1 else None

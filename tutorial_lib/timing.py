@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import math
+import os
 import statistics
 import time
 from typing import NamedTuple
@@ -11,6 +12,7 @@ from typing import NamedTuple
 from . import checks
 
 MIN_SAMPLES = 3  # fewer give no spread worth the name: no verdict from them
+QUIET_BELOW = 0.25  # cores kept busy by other programs: below this a machine counts as quiet
 _clock = time.perf_counter  # module names, so that tests can put fake clocks in
 _cpu_clock = time.process_time  # CPU seconds of this process, all threads together
 
@@ -91,10 +93,13 @@ def ratio(slow: Timing, fast: Timing) -> tuple[float, float, float]:
     return slow.median / fast.median, low, high
 
 
-def verdict(variant: Timing, baseline: Timing) -> str:
+def verdict(variant: Timing, baseline: Timing, busy: bool = False) -> str:
     """The word for `variant` against `baseline`: "faster" or "slower" when the whole range of
     `ratio(baseline, variant)` lies on one side of 1, "no significant difference" otherwise,
-    and "too few samples" below `MIN_SAMPLES`."""
+    "too few samples" below `MIN_SAMPLES`, and "busy machine" when other programs took cores
+    while it was measured (`busy`, from `cores_taken`): then no verdict holds."""
+    if busy:
+        return "busy machine"
     if min(variant.samples, baseline.samples) < MIN_SAMPLES:
         return "too few samples"
     _, low, high = ratio(baseline, variant)
@@ -124,4 +129,46 @@ def busy_warning(load: float, cores: int) -> str | None:
         f"warning: this machine is busy (load average {load:.1f} on {cores} cores): other processes take "
         "cores from the devices while they are measured, so ratios become noisy and speedups shrink. "
         "Close other programs, or read the figures as lower bounds with wide spreads."
+    )
+
+
+def cores_taken(seconds: float = 1.0) -> float | None:
+    """How many of this process's cores other programs kept busy over the next `seconds`: the busy
+    time of those cores in /proc/stat, less this process's own CPU time. None without /proc/stat."""
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    try:
+        before = _busy_and_total(cores)
+    except (OSError, ValueError):
+        return None
+    own, wall = _cpu_clock(), _clock()
+    time.sleep(seconds)
+    own, wall = _cpu_clock() - own, _clock() - wall
+    after = _busy_and_total(cores)
+    busy, total = after[0] - before[0], after[1] - before[1]
+    return max(busy / max(total, 1e-9) * len(cores) - own / wall, 0.0)
+
+
+def _busy_and_total(cores) -> tuple[float, float]:
+    """Busy and total clock ticks since boot, summed over the `cores` lines of /proc/stat."""
+    busy = total = 0.0
+    with open("/proc/stat") as f:
+        for line in f:
+            name, *fields = line.split()
+            if name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in cores:
+                ticks = [float(v) for v in fields[:8]]  # user nice system idle iowait irq softirq steal
+                busy, total = busy + sum(ticks) - ticks[3] - ticks[4], total + sum(ticks)
+    if not total:
+        raise ValueError("no line of /proc/stat for this process's cores")
+    return busy, total
+
+
+def machine_state(taken: float | None, cores: int) -> tuple[bool, str]:
+    """(busy?, a sentence to print before any timing verdict) from `cores_taken`."""
+    if taken is None:
+        return False, "the machine's load cannot be read here (no /proc/stat): judge the verdicts yourself"
+    if round(taken, 2) < QUIET_BELOW:
+        return False, f"quiet machine: other programs kept {taken:.2f} of {cores} cores busy"
+    return True, (
+        f"busy machine: other programs kept {taken:.1f} of {cores} cores busy, so the timings below are slower "
+        "and noisier than on a quiet machine, and no verdict is drawn from them. Close other programs and re-run."
     )

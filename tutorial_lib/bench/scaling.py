@@ -29,24 +29,37 @@ def _per(t: timing.Timing, count: float) -> timing.Timing:
     return timing.Timing(t.median / count, t.spread / count, t.samples)  # per example
 
 
-def weak_scaling(devs, hidden=(256, 256), per_device=(256,), repeats=15) -> list[dict]:
-    """The same batch per device on 1..N devices, for each per-device batch of the sweep."""
+def weak_scaling(devs, hidden=(256, 256), per_device=(256,), repeats=15, steps_per_call=1) -> list[dict]:
+    """The same batch per device on 1..N devices, for each per-device batch of the sweep; each call
+    runs `steps_per_call` steps (`in_one_call`), and the times are per step."""
     rows = []
     for b in per_device:
         print(f"[weak] {b} per device, on 1 to {len(devs)} devices ...", flush=True)
-        rows += _weak_at(devs, hidden, b, repeats)
+        rows += _weak_at(devs, hidden, b, repeats, steps_per_call)
     return rows
 
 
-def _weak_at(devs, hidden, b, repeats):
+def in_one_call(step, k: int):
+    """`step` (a tf.function of (x, y)) run k times in one tf.function: one call from this process
+    per k steps. On core devices each call is a remote call that a GPU's host would not wait for:
+    k > 1 spreads its cost over k steps. The steps run in order: each reads the weights the one
+    before wrote."""
+    import tensorflow as tf
+
+    if k == 1:
+        return step
+    return tf.function(lambda x, y: [step(x, y) for _ in range(k)][-1])
+
+
+def _weak_at(devs, hidden, b, repeats, steps_per_call=1):
     """Every variant on 1..N devices, all in the same interleaved rounds."""
     x, y = synthetic_batch(b * len(devs))
     variants = {}
     for k in range(1, len(devs) + 1):
         xk, yk = x[: b * k], y[: b * k]
         for name, step in _variants(devs[:k], hidden, xk, yk).items():
-            variants[name, k] = functools.partial(step, xk, yk)
-    times = timing.interleaved(variants, rounds=repeats)
+            variants[name, k] = functools.partial(in_one_call(step, steps_per_call), xk, yk)
+    times = {key: _per(t, steps_per_call) for key, t in timing.interleaved(variants, rounds=repeats).items()}
     return [
         row("weak scaling", name, t, devices=k, per_device=b, examples_per_s=b * k / t.median)
         | efficiency(t, times[name, 1], k, b * k, b)
@@ -93,8 +106,9 @@ def _mirrored_step(devs, hidden, x, y):
     return lambda _x, _y: step(*dist)
 
 
-def strong_scaling(devs, hidden=(256, 256), global_batch=512, repeats=15) -> list[dict]:
-    """The same global batch on 1..N devices (those that divide it): each device's share shrinks."""
+def strong_scaling(devs, hidden=(256, 256), global_batch=512, repeats=15, steps_per_call=1) -> list[dict]:
+    """The same global batch on 1..N devices (those that divide it): each device's share shrinks.
+    Each call runs `steps_per_call` steps (`in_one_call`); the times are per step."""
     import tensorflow as tf
 
     from .. import models, towers
@@ -104,8 +118,9 @@ def strong_scaling(devs, hidden=(256, 256), global_batch=512, repeats=15) -> lis
     for k in (k for k in range(1, len(devs) + 1) if global_batch % k == 0):
         with tf.device(devs[0]):
             net = models.MLP(hidden=hidden)
-        variants[k] = functools.partial(towers.make_train_step(net, devs[:k], LEARNING_RATE), x, y)
-    times = timing.interleaved(variants, rounds=repeats)
+        step = in_one_call(towers.make_train_step(net, devs[:k], LEARNING_RATE), steps_per_call)
+        variants[k] = functools.partial(step, x, y)
+    times = {k: _per(t, steps_per_call) for k, t in timing.interleaved(variants, rounds=repeats).items()}
     return [
         row("strong scaling", "hand towers", t, devices=k, global_batch=global_batch)
         | efficiency(t, times[1], k, global_batch, global_batch)

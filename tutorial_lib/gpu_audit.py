@@ -1,0 +1,81 @@
+"""The placement audit of the take-away files' steps on real devices (`gpu_check` runs it on the GPUs,
+in a child it can stop): where each op of the synchronized-BN step and of the pipelined step ran.
+
+    python -m tutorial_lib.gpu_audit --devices /GPU:0,/GPU:1 [--json PATH]
+
+Exits 0 when every op and variable is with its owner, 1 when the audit finds one that is not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+def load(name: str, examples: Path = EXAMPLES):
+    """A take-away file as a module (they import no tutorial_lib, so they are loaded by path)."""
+    spec = importlib.util.spec_from_file_location(name, examples / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def sync_bn_report(devices, examples: Path = EXAMPLES):
+    """The audit of one step of train_multi_gpu.py's replicated path (NCCL where it runs) on `devices`."""
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    from . import placement
+
+    multi = load("train_multi_gpu", examples)
+    method, _ = multi.all_reduce_method(devices)
+    replicas = multi.make_replicas(lambda: multi.make_cnn((8, 8, 1)), devices)
+    optimizers = multi.replica_optimizers(replicas, devices, lambda: keras.optimizers.Adam(1e-3))
+    step = multi.make_sync_bn_train_step(replicas, devices, optimizers, method)
+    owners = {d: [*r.variables, *o.variables] for d, r, o in zip(devices, replicas, optimizers, strict=True)}
+    x = tf.random.stateless_normal([8 * len(devices), 8, 8, 1], [0, 1])
+    y = tf.constant(np.arange(8 * len(devices)) % 10, tf.int32)
+    return placement.audit(step, x, y, owners=owners, run=True)
+
+
+def pipeline_report(devices, examples: Path = EXAMPLES):
+    """The audit of one 1F1B step of train_pipelined.py on up to 3 of `devices`."""
+    import numpy as np
+    import tensorflow as tf
+
+    from . import placement
+
+    piped, stages_on = load("train_pipelined", examples), list(devices[:3])
+    args = piped.parse(["--schedule", "1f1b", "--micro-batches", "2", "--devices", ",".join(stages_on)])
+    stages, step, _ = piped.pipeline(args, stages_on, (8, 8, 1))
+    xs, ys = [tf.random.stateless_normal([8, 8, 8, 1], [0, 2])], [tf.constant(np.arange(8) % 10, tf.int32)]
+    step(xs, ys)  # builds the optimizers' slots
+    owners = {d: list(stage.variables) for d, stage in zip(stages_on, stages, strict=True)}
+    return placement.audit(step, xs, ys, owners=owners, run=True)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tutorial_lib.gpu_audit", description=__doc__.split("\n")[0])
+    parser.add_argument("--devices", required=True, help="comma-separated device names, e.g. /GPU:0,/GPU:1")
+    parser.add_argument("--json", metavar="PATH", help="write the counts to PATH")
+    args = parser.parse_args(argv)
+    devices = args.devices.split(",")
+    reports = {"sync-BN step": sync_bn_report(devices), "pipelined step": pipeline_report(devices)}
+    for name, report in reports.items():
+        print(f"{name}: {report}")
+    misplaced = sum(len(r.misplaced) for r in reports.values())
+    counts = {"misplaced": misplaced, "ops_checked": sum(r.ops_checked for r in reports.values())}
+    counts["variables_checked"] = sum(r.variables_checked for r in reports.values())
+    if args.json:
+        Path(args.json).write_text(json.dumps(counts))
+    return 1 if misplaced else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
