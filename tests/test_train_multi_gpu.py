@@ -218,7 +218,7 @@ def test_data_a_take_away_file_cannot_use_exits_2_saying_why(name, kind, message
 def test_devices_this_machine_lacks_exit_2_listing_the_ones_it_has(name, devices, capsys):
     module = example if name == "train_multi_gpu" else pipelined
     with pytest.raises(SystemExit) as stop:
-        module.main(["--devices", devices, "--batch", "12"])
+        module.main(["--devices", devices, "--batch", "24"])  # 24: a multiple of 8 micro-batches and of 2 or 3 devices
     err = capsys.readouterr().err
     assert stop.value.code == 2 and "this machine has /device:CPU:0" in err and "--simulate N" in err, err
 
