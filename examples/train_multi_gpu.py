@@ -4,16 +4,20 @@ Notebook 03's and 04's functions (below their `# lesson:` lines). One Keras repl
 starting from the first one's weights (the broadcast); each computes the gradients of its share of the
 batch; tensorpack's `allreduce_grads`, in TF 2, sums them over NCCL (over a ring of copies where NCCL
 cannot run: CPUs, logical GPUs of one card); one Adam per replica applies the same sum on its device,
-so that the replicas stay equal. Batch norm is synchronized: every BatchNormalization layer normalizes
-with the mean and variance of the whole global batch, one all-reduce per layer.
+so that the replicas stay equal. Batch norm is synchronized (every BatchNormalization layer normalizes with
+the statistics of the whole global batch, one all-reduce per layer) where each device's share is small,
+local where it is large (--bn). Made for speed (make_train_step): each replica's share prefetched to its
+device by tf.data, the gradients summed in buckets, the loss read every few steps, optional 16-bit.
 
     python train_multi_gpu.py [--devices /GPU:0,/GPU:1] [--epochs 3] [--batch 256]
     python train_multi_gpu.py --strategy mirrored     # the same under tf.distribute.MirroredStrategy
     python train_multi_gpu.py --all-reduce ring       # another all-reduce than NCCL (or central)
     python train_multi_gpu.py --check --steps 20      # the same weights as one device?
+    python train_multi_gpu.py --precision bfloat16 --bn sync --bucket-mb 1 --checkpoint ckpt --baseline
 """
 
 import argparse
+import contextlib
 import importlib.util
 import itertools
 import json
@@ -23,6 +27,7 @@ import weakref
 import zipfile
 import zlib
 from pathlib import Path
+from types import SimpleNamespace
 
 import keras
 import numpy as np
@@ -342,8 +347,9 @@ def make_cnn(input_shape, synchronized=False):
         keras.layers.ReLU(),
         keras.layers.MaxPooling2D(2),
     ]
+    head = "float32" if keras.config.dtype_policy().name.startswith("mixed") else None  # 16-bit: float32 logits
     return keras.Sequential([keras.Input(input_shape), *block(32), *block(64), keras.layers.Flatten(),
-                             keras.layers.Dense(10)])  # fmt: skip
+                             keras.layers.Dense(10, dtype=head)])  # fmt: skip
 
 
 MNIST_CACHE = Path.home() / ".keras/datasets/mnist.npz"
@@ -378,8 +384,11 @@ def data_problem(name, x, y, smallest):
     """What is wrong with one split's images x (N, H, W) and labels y (N,) of 0 to 9; None if nothing."""
     if not (np.issubdtype(x.dtype, np.number) and np.issubdtype(y.dtype, np.number)):
         return f"{name}: images and labels must be numbers, got {x.dtype} and {y.dtype}"
-    if x.ndim != 3 or min(x.shape[1:], default=0) < smallest:
-        return f"x_{name} has shape {x.shape}: give images (N, height, width), at least {smallest}x{smallest}"
+    if x.ndim not in (3, 4) or min(x.shape[1:3], default=0) < smallest or x.ndim == 4 and x.shape[3] not in (1, 3):
+        return (
+            f"x_{name} has shape {x.shape}: give images (N, height, width), or (N, height, width, 3) in colour, "
+            f"at least {smallest}x{smallest}"
+        )
     if y.shape != x.shape[:1] or not len(y):
         return f"y_{name} has shape {y.shape}: give one label per image, shape ({len(x)},) (y.ravel()), none empty"
     if not np.isfinite(x).all():
@@ -390,10 +399,15 @@ def data_problem(name, x, y, smallest):
 
 
 def load_data(path):
-    """((x_train, y_train), (x_test, y_test)) from an mnist.npz (default: Keras' cache, if there), else
-    the 8x8 digits (`digits_file`); images (N, H, W, 1) in [0, 1]. Exit 2 on data the CNN cannot take."""
+    """((x_train, y_train), (x_test, y_test)) from an mnist.npz (default: Keras' cache, if there) or a CIFAR-10 .npz,
+    else the 8x8 digits (`digits_file`); images (N, H, W, 1 or 3) in [0, 1]. Exit 2 on data the CNN cannot take."""
     path = path or (MNIST_CACHE if MNIST_CACHE.exists() else "digits")
-    print(f"data: {path}" if path != "digits" else "data: 8x8 digits (no MNIST in the Keras cache)")
+    print(
+        f"data: {path}"
+        if path != "digits"
+        else "data: 8x8 digits, THE BUNDLED STAND-IN: 1,497 training images "
+        "(no MNIST in the Keras cache, and nothing downloads): give --data mnist.npz or a CIFAR-10 .npz to measure"
+    )
     if path != "digits":
         splits, scale = read_npz(path), 255.0
     else:
@@ -403,7 +417,9 @@ def load_data(path):
     for name, (x, y) in zip(("train", "test"), splits, strict=True):
         if problem := data_problem(name, x, y, smallest=4):  # the CNN pools twice by 2
             refuse(f"--data {path}: {problem}")
-    return [((x[..., None] / scale).astype(keras.config.floatx()), y.astype(np.int32)) for x, y in splits]
+    return [
+        ((x.reshape(*x.shape[:3], -1) / scale).astype(keras.config.floatx()), y.astype(np.int32)) for x, y in splits
+    ]
 
 
 def unknown_devices(names):
@@ -456,29 +472,163 @@ def all_reduce_method(devices, choice="auto"):
     return "ring", "a ring of copies (NCCL runs on distinct GPUs only, not on these devices)"
 
 
+def forward(replicas, devices, xs, all_sum, local):
+    """replicated_forward (notebook 04) for make_cnn's Sequential replicas, with float32 statistics (sync_bn32),
+    or `local` batch norm: each replica normalizes with its own examples' statistics and moves its own moving
+    statistics (as Keras under MirroredStrategy; evaluation and checkpoints use replica 0's): nothing crosses."""
+    hs = list(xs)
+    for layers in zip(*(replica.layers for replica in replicas), strict=True):
+        if isinstance(layers[0], keras.Sequential):
+            hs = forward(layers, devices, hs, all_sum, local)
+        elif isinstance(layers[0], keras.layers.BatchNormalization) and layers[0].trainable and not local:
+            hs = sync_bn32(layers, devices, hs, all_sum)
+        else:
+            for i, (layer, device) in enumerate(zip(layers, devices, strict=True)):
+                with tf.device(device):
+                    hs[i] = layer(hs[i], training=True)
+    return hs
+
+
+def sync_bn32(layers, devices, hs, all_sum):
+    """sync_batch_norm (notebook 04) with local_moments' row in float32, not float64 (which runs at a fraction of
+    float32's speed on most GPUs); in float64 for float64 inputs, as --check runs."""
+    n, slots = len(hs), []
+    for i, (h, device) in enumerate(zip(hs, devices, strict=True)):
+        with tf.device(device):
+            x = tf.cast(tf.reshape(h, [-1, h.shape[-1]]), tf.float64 if h.dtype == tf.float64 else tf.float32)
+            count = tf.cast(tf.shape(x)[0], x.dtype)
+            mean = tf.math.divide_no_nan(tf.reduce_sum(x, 0), count)
+            row = tf.concat([[count], mean, tf.reduce_sum(tf.square(x - mean), 0)], 0)
+            slots.append(tf.pad(row[None], [[i, n - 1 - i], [0, 0]]))
+    out = []
+    for layer, h, device, rows in zip(layers, hs, devices, all_sum(slots, devices), strict=True):
+        with tf.device(device):
+            _, mean, variance = combine_moments(rows)
+            for moving, batch in ((layer.moving_mean, mean), (layer.moving_variance, variance)):
+                moving.assign(tf.cast(tf.cast(moving, mean.dtype) * layer.momentum + batch * (1 - layer.momentum),
+                                      moving.dtype))  # fmt: skip
+            gamma, beta = (None if v is None else tf.cast(v, mean.dtype) for v in (layer.gamma, layer.beta))
+            y = tf.nn.batch_normalization(tf.cast(h, mean.dtype), mean, variance, beta, gamma, layer.epsilon)
+            out.append(tf.cast(y, h.dtype))
+    return out
+
+
+def bucket_plan(tensors, bucket_bytes):
+    """The indices of `tensors` in buckets of at most `bucket_bytes` (a larger tensor alone), one dtype each, from
+    the LAST tensor: backprop yields the last layers' gradients first, so the first buckets can be summed while
+    the earlier layers' gradients are computed (Horovod's tensor fusion, PyTorch DDP's buckets)."""
+    plan, size = [], 0
+    for j in reversed(range(len(tensors))):
+        nbytes = int(np.prod(tensors[j].shape)) * tf.as_dtype(tensors[j].dtype).size
+        if plan and size + nbytes <= bucket_bytes and tensors[j].dtype == tensors[plan[-1][0]].dtype:
+            plan[-1].append(j)
+            size += nbytes
+        else:
+            plan.append([j])
+            size = nbytes
+    return plan
+
+
+def all_reduce_buckets(grads, devices, method, bucket_bytes):
+    """allreduce_grads (notebook 03), summed, with each replica's gradients packed into the buckets of bucket_plan:
+    one all-reduce per bucket, not one per variable. bucket_bytes 0: one per variable, the lesson's form."""
+    if not bucket_bytes:
+        return allreduce_grads(grads, average=False, method=method, devices=devices)
+    plan, packed = bucket_plan(grads[0], bucket_bytes), []
+    for g, device in zip(grads, devices, strict=True):
+        with tf.device(device):
+            packed.append([tf.concat([tf.reshape(g[j], [-1]) for j in bucket], 0) for bucket in plan])
+    out = []
+    for g, device, summed in zip(
+        grads, devices, allreduce_grads(packed, average=False, method=method, devices=devices), strict=True
+    ):
+        unpacked = [None] * len(g)
+        with tf.device(device):
+            for bucket, vector in zip(plan, summed, strict=True):
+                for j, piece in zip(bucket, tf.split(vector, [g[j].shape.num_elements() for j in bucket]), strict=True):
+                    unpacked[j] = tf.reshape(piece, g[j].shape)
+        out.append(unpacked)
+    return out
+
+
+def make_train_step(replicas, devices, optimizers, method="ring", local_bn=False, bucket_bytes=0):
+    """make_sync_bn_train_step (notebook 04), for speed: a tf.function of each replica's share of the batch (xs[i],
+    ys[i], already on devices[i]); batch norm synchronized in float32, or local (`forward`); the gradients summed in
+    buckets (`all_reduce_buckets`); each replica's part of the loss scaled by its optimizer (by Keras'
+    LossScaleOptimizer for float16, by 1 otherwise). Still tf.gradients, for the lesson's reasons."""
+    n, k = len(devices), len(replicas[0].trainable_variables)
+
+    @tf.function
+    def step(xs, ys):
+        logits = forward(replicas, devices, xs, ALL_SUMS[method], local_bn)
+        parts, scaled = [], []
+        for device, replica, optimizer, lg, y in zip(devices, replicas, optimizers, logits, ys, strict=True):
+            with tf.device(device):
+                per_example = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=lg)
+                examples = tf.cast(n * tf.shape(y)[0], per_example.dtype)  # every share holds as many
+                parts.append(tf.reduce_sum(per_example) / examples + sum(replica.losses) / n)
+                scaled.append(optimizer.scale_loss(parts[-1]))
+        weights = [v.value for replica in replicas for v in replica.trainable_variables]
+        flat = tf.gradients(tf.add_n(scaled), weights)
+        grads = all_reduce_buckets([flat[i * k : (i + 1) * k] for i in range(n)], devices, method, bucket_bytes)
+        for device, replica, optimizer, g in zip(devices, replicas, optimizers, grads, strict=True):
+            with tf.device(device):
+                optimizer.apply_gradients(zip(g, replica.trainable_variables, strict=True))
+        return tf.add_n(parts)
+
+    return step
+
+
+def order(examples, batch, seed):
+    """The indices of the training set shuffled by `seed`, one row per full batch (the short last one dropped)."""
+    return np.random.default_rng(seed).permutation(examples)[: examples // batch * batch].reshape(-1, batch)
+
+
 def trainer(args, devices, input_shape):
-    """(a step of a global batch (x, y) that returns its loss, the model to evaluate, every model's variables)."""
-    make_adam = lambda: keras.optimizers.Adam(args.lr)  # noqa: E731
+    """What a run needs: step (of what inputs yields: returns the batch's loss), inputs(x, y, seed, skip) (an
+    epoch's batches from the skip-th on, each replica's share prefetched to its device by tf.data), model (to
+    evaluate), optimizer (saved with it), broadcast() (the saved replica's state onto every replica), variables."""
+    adam = lambda: keras.optimizers.Adam(args.lr)  # noqa: E731
+    scaled = lambda: keras.optimizers.LossScaleOptimizer(adam())  # noqa: E731 (float16's small gradients underflow)
+    make_optimizer, n = scaled if args.precision == "float16" else adam, len(devices)
     if args.strategy == "mirrored":
-        reduce = tf.distribute.NcclAllReduce() if args.method == "nccl" else tf.distribute.ReductionToOneDevice()
+        reduce = tf.distribute.ReductionToOneDevice() if args.method == "central" else None  # None: TF's default
         strategy = tf.distribute.MirroredStrategy(devices, cross_device_ops=reduce)
         with strategy.scope():  # one copy of every variable per device, Adam's too
-            model, optimizer = make_cnn(input_shape, synchronized=True), make_adam()
+            model, optimizer = make_cnn(input_shape, synchronized=args.bn == "sync"), make_optimizer()
             optimizer.build(model.trainable_variables)
-        mirrored_step, n = mirrored_train_step(strategy, model, optimizer), len(devices)
 
-        def step(x, y):  # replica i gets the i-th n-th of the batch, as the replicated path does
-            share = lambda t: lambda ctx: tf.split(t, n)[ctx.replica_id_in_sync_group]  # noqa: E731
-            return mirrored_step(*(strategy.experimental_distribute_values_from_function(share(t)) for t in (x, y)))
+        def inputs(x, y, seed, skip=0):  # replica i gets the i-th n-th of each batch, as the replicated route
+            rows = order(len(x), args.batch, seed)[skip:].ravel()
+            return iter(strategy.experimental_distribute_dataset(
+                tf.data.Dataset.from_tensor_slices((x[rows], y[rows])).batch(args.batch).prefetch(2)))  # fmt: skip
 
         copies = [strategy.experimental_local_results(v.value) for v in model.variables]  # one per device
-        return step, model, [list(per_device) for per_device in zip(*copies, strict=True)]
+        return SimpleNamespace(step=mirrored_train_step(strategy, model, optimizer), inputs=inputs, model=model,
+                               optimizer=optimizer, broadcast=lambda: None,  # a restore sets every copy
+                               variables=[list(per_device) for per_device in zip(*copies, strict=True)])  # fmt: skip
     replicas = make_replicas(lambda: make_cnn(input_shape), devices)
     # One Adam per replica, each applied once a step to its replica's weights. ONE Adam applied to the
     # same weights once per tower (the asker's script) takes K steps a step and counts K in its moments.
-    optimizers = replica_optimizers(replicas, devices, make_adam)
-    step = make_sync_bn_train_step(replicas, devices, optimizers, args.method)
-    return step, replicas[0], [replica.variables for replica in replicas]
+    optimizers = replica_optimizers(replicas, devices, make_optimizer)
+    step = make_train_step(replicas, devices, optimizers, args.method, args.bn == "local", int(args.bucket_mb * 2**20))
+
+    def inputs(x, y, seed, skip=0):
+        shares, iterators = order(len(x), args.batch, seed)[skip:].reshape(-1, n, args.batch // n), []
+        for i, device in enumerate(devices):  # one pipeline per device, its last stage a copy onto the device
+            ds = tf.data.Dataset.from_tensor_slices((x[shares[:, i].ravel()], y[shares[:, i].ravel()]))
+            iterators.append(iter(ds.batch(args.batch // n).apply(tf.data.experimental.prefetch_to_device(device, 2))))
+        for pairs in zip(*iterators, strict=True):
+            yield [x for x, _ in pairs], [y for _, y in pairs]
+
+    def broadcast():
+        first = [*replicas[0].weights, *optimizers[0].variables]
+        for replica, optimizer in zip(replicas[1:], optimizers[1:], strict=True):
+            for v, value in zip([*replica.weights, *optimizer.variables], first, strict=True):
+                v.assign(value)
+
+    return SimpleNamespace(step=step, inputs=inputs, model=replicas[0], optimizer=optimizers[0], broadcast=broadcast,
+                           variables=[replica.variables for replica in replicas])  # fmt: skip
 
 
 PREDICTORS = weakref.WeakKeyDictionary()  # one tf.function per model: a new one per call traces anew
@@ -496,93 +646,190 @@ def accuracy(model, x, y, batch=1000):
 
 def batches(x, y, batch, seed):
     """The training set shuffled by `seed`, in full batches (the last, short one dropped: every device gets batch/N)."""
-    order = np.random.default_rng(seed).permutation(len(x))[: len(x) // batch * batch]
-    return [(x[i], y[i]) for i in order.reshape(-1, batch)]
+    return [(x[i], y[i]) for i in order(len(x), batch, seed)]
 
 
-def train(args, devices, data):
-    """--epochs epochs (or --steps steps) with a Progbar; train and test accuracy and images/s each epoch."""
-    (x_train, y_train), (x_test, y_test) = data
-    step, model, _ = trainer(args, devices, x_train.shape[1:])
-    writer = tf.summary.create_file_writer(args.logdir) if args.logdir else None
-    print(f"{args.strategy}: {len(devices)} replicas of {args.batch // len(devices)} examples on {devices}; "
-          f"all-reduce: {args.method_said}")  # fmt: skip
-    done, metrics, profiling = 0, {}, False
-    for epoch in range(args.epochs):
-        epoch_batches = batches(x_train, y_train, args.batch, seed=epoch)[: args.steps - done if args.steps else None]
-        progress, start, losses = keras.utils.Progbar(len(epoch_batches), unit_name="step"), time.perf_counter(), []
-        print(f"epoch {epoch + 1}/{args.epochs}")
-        for x, y in epoch_batches:
-            if args.profile and done + len(losses) == 2:  # steps 3 to 5: the first two also trace the step
-                tf.profiler.experimental.start(args.logdir)
-                profiling = True
-            elif profiling and done + len(losses) == 5:
-                tf.profiler.experimental.stop()
-                profiling = False
-            losses.append(float(step(x, y)))
-            progress.update(len(losses), [("loss", losses[-1])])
-        seconds, done = time.perf_counter() - start, done + len(epoch_batches)
-        metrics = {"loss": np.mean(losses), "train_accuracy": accuracy(model, x_train[:2000], y_train[:2000]),
-                   "test_accuracy": accuracy(model, x_test, y_test),
-                   "images_per_second": len(epoch_batches) * args.batch / seconds}  # fmt: skip
-        print(
-            "  ".join(
-                f"{name} {value:,.0f}" if "second" in name else f"{name} {value:.3f}" for name, value in metrics.items()
-            )
-        )
-        if writer:
-            with writer.as_default(step=epoch):
-                for name, value in metrics.items():
-                    tf.summary.scalar(name, value)
-        if args.steps and done >= args.steps:
-            break
-    if profiling:  # fewer than 5 steps in all
-        tf.profiler.experimental.stop()
-    return {**metrics, "steps": done}
-
-
-def check(args, devices, data):
-    """--steps steps against the same CNN with plain Keras BN and one Adam on ONE device, over the same
-    batches, in float64 (so that only a wrong method, not float32 rounding, differs): the largest
-    relative difference of the losses, the weights and BN's moving statistics of every replica."""
-    (x, y), _ = data
-    x, floatx, policy = x.astype(np.float64), keras.config.floatx(), keras.config.dtype_policy()
-    keras.config.set_floatx("float64")  # the models below, and their optimizers, in float64: a layer
-    keras.config.set_dtype_policy("float64")  # takes its dtype from the policy, once one is set
+@contextlib.contextmanager
+def precision(name):
+    """Keras' floatx and dtype policy for the models built inside: "float64" (--check), "float32", or 16-bit
+    ("bfloat16", "float16": Keras' mixed precision, float32 variables, 16-bit compute)."""
+    floatx, policy = keras.config.floatx(), keras.config.dtype_policy()
+    keras.config.set_floatx("float64" if name == "float64" else "float32")
+    keras.config.set_dtype_policy(f"mixed_{name}" if name in ("bfloat16", "float16") else name)
     try:
-        return compare(args, devices, x, y)
+        yield
     finally:
         keras.config.set_floatx(floatx)
         keras.config.set_dtype_policy(policy)
 
 
+def restore(args, run):
+    """(a CheckpointManager of --checkpoint, the steps its latest checkpoint had done): replica 0 and its optimizer
+    are saved; at a resume each replica gets them. (None, 0) without --checkpoint."""
+    if not args.checkpoint:
+        return None, 0
+    done = tf.Variable(0, dtype=tf.int64)
+    saved = tf.train.Checkpoint(model=run.model, optimizer=run.optimizer, steps=done)
+    manager = tf.train.CheckpointManager(saved, args.checkpoint, max_to_keep=2)
+    if manager.latest_checkpoint:
+        saved.restore(manager.latest_checkpoint).assert_existing_objects_matched()
+        run.broadcast()
+        print(f"checkpoint: resumed from {manager.latest_checkpoint}, {int(done)} steps done")
+    return manager, int(done)
+
+
+def save(manager, done):
+    if manager:
+        manager.checkpoint.steps.assign(done)
+        print(f"checkpoint: {manager.save(checkpoint_number=done)}")
+
+
+def train(args, devices, data):
+    """--epochs epochs (or --steps steps): the loss read every --log-every steps (reading it makes the host wait for
+    the step), step 1 (which traces the step) left out of the timing; accuracy and images/s each epoch, a
+    checkpoint each epoch with --checkpoint; the timing summary."""
+    (x_train, y_train), (x_test, y_test) = data
+    with precision(args.precision):
+        run = trainer(args, devices, x_train.shape[1:])
+    per_epoch = len(x_train) // args.batch
+    manager, done = restore(args, run)
+    total = min(args.steps or args.epochs * per_epoch, args.epochs * per_epoch)
+    writer = tf.summary.create_file_writer(args.logdir) if args.logdir else None
+    print(f"{args.strategy}: {len(devices)} replicas of {args.batch // len(devices)} examples on {devices}; "
+          f"all-reduce: {args.method_said}; precision {args.precision}")  # fmt: skip
+    metrics, profiling, traced, timed, seconds, waited = {}, False, False, 0, 0.0, 0.0
+    for epoch in range(done // per_epoch, args.epochs):
+        if done >= total:
+            break
+        steps, losses, pending = min(per_epoch - done % per_epoch, total - done), [], []
+        print(f"epoch {epoch + 1}/{args.epochs}")
+        feed, progress = run.inputs(x_train, y_train, seed=epoch, skip=done % per_epoch), keras.utils.Progbar(steps)
+        start, epoch_timed = time.perf_counter(), 0
+        for s in range(steps):
+            profiling = profile(args, done + s, profiling)
+            fetched = time.perf_counter()
+            batch = next(feed)
+            waited += (time.perf_counter() - fetched) if traced else 0.0
+            pending.append(run.step(*batch))
+            if not traced:  # tracing, and a first run that builds what it needs: not what a step costs
+                traced = float(pending[-1]) or True
+                print(f"  step {done + 1} traced the step and ran in {time.perf_counter() - start:.1f} s (not timed)")
+                start, epoch_timed = time.perf_counter(), -1
+            if len(pending) == args.log_every or s == steps - 1:
+                losses += [float(loss) for loss in pending]  # waits for the last of them
+                progress.update(s + 1, [("loss", np.mean(losses[-len(pending) :]))])
+                pending = []
+        epoch_seconds, epoch_timed, done = time.perf_counter() - start, epoch_timed + steps, done + steps
+        timed, seconds = timed + epoch_timed, seconds + epoch_seconds
+        metrics = {
+            "loss": np.mean(losses),
+            "train_accuracy": accuracy(run.model, x_train[:2000], y_train[:2000]),
+            "test_accuracy": accuracy(run.model, x_test, y_test),
+            "images_per_second": epoch_timed * args.batch / epoch_seconds if epoch_timed else np.nan,
+        }
+        print("  ".join(f"{name} {value:,.0f}" if "second" in name else f"{name} {value:.3f}"
+                        for name, value in metrics.items()))  # fmt: skip
+        if writer:
+            with writer.as_default(step=epoch):
+                for name, value in metrics.items():
+                    tf.summary.scalar(name, value)
+        save(manager, done)
+    if profiling:  # fewer than 5 steps in all
+        tf.profiler.experimental.stop()
+    step_ms = 1000 * seconds / timed if timed else float("nan")
+    print(f"timing: {timed} timed steps of {args.batch} images, {step_ms:.1f} ms a step "
+          f"({args.batch / step_ms * 1000:,.0f} images/s); waiting for input {1000 * waited / max(timed, 1):.2f} ms "
+          "a step. Compute and all-reduce overlap inside a step: --profile --logdir DIR shows them apart")  # fmt: skip
+    return {**metrics, "steps": done, "step_ms": step_ms}
+
+
+def profile(args, step, profiling):
+    """--profile: a profiler trace of steps 3 to 5 (the first two also trace the step). Whether it now runs."""
+    if args.profile and step == 2:
+        tf.profiler.experimental.start(args.logdir)
+        return True
+    if profiling and step == 5:
+        tf.profiler.experimental.stop()
+        return False
+    return profiling
+
+
+def baseline(args, devices, data, metrics):
+    """--baseline: the same number of steps on devices[0] alone, with one replica's share of the batch; the
+    efficiency: N devices' images/s against N times one device's (1.0: perfect scaling) = t_one / t_N."""
+    n, one = len(devices), argparse.Namespace(**vars(args))
+    one.batch, one.steps, one.checkpoint, one.logdir, one.profile = args.batch // n, metrics["steps"], None, None, False
+    print(f"baseline: the same {one.steps} steps on {devices[0]} alone, {one.batch} images a step")
+    single = train(one, devices[:1], data)
+    efficiency = single["step_ms"] / metrics["step_ms"]
+    simulated = " (simulated devices share this machine's cores: expect about 1/N)" * ("CPU" in devices[0].upper())
+    print(f"efficiency: {efficiency:.0%} of {n} x one device{simulated}")
+    return {"baseline_step_ms": single["step_ms"], "efficiency": efficiency}
+
+
+TOLERANCE = {"float32": 1e-5, "bfloat16": 0.2, "float16": 0.1}  # 16-bit: measured up to 0.11 and 0.02
+TOLERANCE_WHY = {
+    "float32": "the check runs in float64: only a wrong method differs",
+    "bfloat16": "bfloat16 keeps 8 significant bits (2^-8 = 0.4%); another split of the batch rounds otherwise, and "
+    "Adam turns a rounded gradient near 0 into a step of up to its learning rate",
+    "float16": "float16 keeps 11 significant bits (2^-11 = 0.05%); another split rounds otherwise, and Adam turns a "
+    "rounded gradient near 0 into a step of up to its learning rate",
+}
+
+
+def check(args, devices, data):
+    """--steps steps against the same CNN with plain Keras BN and one Adam on ONE device, over the same batches: the
+    largest relative difference of the losses, the weights and BN's moving statistics of every replica. In float64
+    for --precision float32 (so that only a wrong method, not rounding, differs), else in that mixed precision."""
+    (x, y), _ = data
+    with precision("float64" if args.precision == "float32" else args.precision):
+        return compare(args, devices, x.astype(keras.config.floatx()), y)
+
+
 def compare(args, devices, x, y):
-    step, _, variables = trainer(args, devices, x.shape[1:])
+    run, n = trainer(args, devices, x.shape[1:]), len(devices)
+    shares = n if args.bn == "local" else 1  # local BN: the reference normalizes each replica's share by itself
     with tf.device(devices[0]):
-        single, optimizer = make_cnn(x.shape[1:]), keras.optimizers.Adam(args.lr)
-    for v, first in zip(single.variables, variables[0], strict=True):
+        single, adam = make_cnn(x.shape[1:]), keras.optimizers.Adam(args.lr)
+        optimizer = keras.optimizers.LossScaleOptimizer(adam) if args.precision == "float16" else adam
+    for v, first in zip(single.variables, run.variables[0], strict=True):
         v.assign(first)  # the same start
+    moving = single.non_trainable_variables  # BN's moving statistics: with local BN, one set per replica
+    with tf.device(devices[0]):
+        kept = [[tf.Variable(v.numpy()) for v in moving] for _ in range(shares)]
 
     @tf.function
     def single_step(x, y):
         with tf.GradientTape() as tape:
-            per_example = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=single(x, training=True))
-            loss = tf.reduce_mean(per_example) + sum(single.losses)
-        grads = tape.gradient(loss, single.trainable_variables)
+            total = 0.0
+            for xs, ys, stats in zip(tf.split(x, shares), tf.split(y, shares), kept, strict=True):
+                for v, s in zip(moving, stats, strict=True):
+                    v.assign(s)
+                logits = single(xs, training=True)
+                for v, s in zip(moving, stats, strict=True):
+                    s.assign(v)
+                total += tf.reduce_sum(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=ys, logits=logits))
+            loss = total / x.shape[0] + sum(single.losses)
+            scaled = optimizer.scale_loss(loss)
+        grads = tape.gradient(scaled, single.trainable_variables)
         optimizer.apply_gradients(zip(grads, single.trainable_variables, strict=True))
         return loss
 
     differences, compared = [], batches(x, y, args.batch, seed=0)[: args.steps]
-    for x_batch, y_batch in compared:
-        loss, reference = np.float64(step(x_batch, y_batch)), np.float64(single_step(x_batch, y_batch))
+    for (x_batch, y_batch), batch in zip(compared, run.inputs(x, y, seed=0), strict=False):
+        loss, reference = np.float64(run.step(*batch)), np.float64(single_step(x_batch, y_batch))
         differences.append(abs(loss - reference) / abs(reference))
-    for replica in variables:
-        for a, b in zip(replica, single.variables, strict=True):
+    index = {id(v): j for j, v in enumerate(moving)}
+    for i, replica in enumerate(run.variables):
+        expected = [kept[i % shares][index[id(v)]] if id(v) in index else v for v in single.variables]
+        for a, b in zip(replica, expected, strict=True):
             b = b.numpy()
             differences.append(np.max(np.abs(np.asarray(a) - b)) / max(np.max(np.abs(b)), 1e-30))
     worst = float(np.max(differences))  # NaN if any is: max(0.0, nan) would be 0.0
     print(f"check: {steps_said(len(compared), args)} of {args.strategy} on {len(devices)} devices against one, "
-          f"all-reduce {args.method}: largest relative difference {worst:.2e} ({verdict(worst)})")  # fmt: skip
+          f"all-reduce {args.method}, batch norm {args.bn}, precision {args.precision}: largest relative difference "
+          f"{worst:.2e} ({verdict(worst, TOLERANCE[args.precision])}); tolerance {TOLERANCE[args.precision]:g}: "
+          f"{TOLERANCE_WHY[args.precision]}")  # fmt: skip
     return worst
 
 
@@ -592,8 +839,11 @@ def steps_said(compared, args):
     return f"{compared} steps" + (short if compared < args.steps else "")
 
 
-def verdict(worst):
-    return "ok" if worst <= 1e-5 else "they differ" if np.isfinite(worst) else "not finite: they differ"
+def verdict(worst, tolerance=1e-5):
+    return "ok" if worst <= tolerance else "they differ" if np.isfinite(worst) else "not finite: they differ"
+
+
+SYNC_BELOW = 32  # --bn auto: synchronized below this many examples a device
 
 
 def parse(argv):
@@ -601,26 +851,57 @@ def parse(argv):
     p.add_argument("--devices", help="comma-separated names (default: every GPU if 2 or more, else --simulate)")
     p.add_argument("--simulate", type=int, help="N logical CPU devices (default without 2 GPUs: 2)")
     p.add_argument("--all-reduce", choices=("auto", "nccl", "ring", "central"), default="auto",
-                   help="how gradients and BN statistics are summed (auto: NCCL on whole GPUs, else ring)")  # fmt: skip
+                   help="how gradients and BN statistics are summed (auto: NCCL on whole GPUs, else ring); under "
+                   "--strategy mirrored, central is ReductionToOneDevice, the others TensorFlow's default")  # fmt: skip
     p.add_argument("--strategy", choices=("replicated", "mirrored"), default="replicated",
                    help="replicated: this file's own loop; mirrored: MirroredStrategy, same model")  # fmt: skip
+    p.add_argument("--bn", choices=("auto", "sync", "local"), default="auto",
+                   help=f"batch norm over the whole batch (sync: one all-reduce per BN layer each way) or each "
+                        f"device's share (local: none); auto: sync below {SYNC_BELOW} examples a device, where a "
+                        "share's statistics get noisy (notebook 04), else local")  # fmt: skip
+    p.add_argument("--bucket-mb", type=float, default=25.0,
+                   help="gradients summed in buckets of this many MB, last layers first (25: PyTorch DDP's); "
+                        "0: one all-reduce per gradient, the lesson's form")  # fmt: skip
+    p.add_argument("--precision", choices=("float32", "bfloat16", "float16"), default="float32",
+                   help="16-bit: Keras' mixed precision (float32 weights); float16 with loss scaling")  # fmt: skip
     p.add_argument("--epochs", type=int, default=5)
     p.add_argument("--batch", type=int, default=128, help="the global batch, a multiple of the device count")
     p.add_argument("--steps", type=int, help="stop after this many steps (with --check: compare so many; 20)")
-    p.add_argument("--lr", type=float, default=1e-3, help="Adam's learning rate")
-    p.add_argument("--data", help="digits, or the path of an mnist.npz (default: the Keras cache's MNIST, else digits)")
-    p.add_argument("--check", action="store_true", help="compare with one device in float64; exit 1 if they differ")
+    p.add_argument("--lr", type=float, default=1e-3,
+                   help="Adam's learning rate (a larger global batch often wants more: scale it, warm up)")  # fmt: skip
+    p.add_argument("--log-every", type=int, default=10, metavar="K",
+                   help="read the loss every K steps: reading it makes the host wait for the step")  # fmt: skip
+    p.add_argument(
+        "--data",
+        help="digits, or the path of an mnist.npz or a CIFAR-10 .npz (x_train (N, 32, 32, 3), "
+        "y_train, x_test, y_test); default: the Keras cache's MNIST, else digits; nothing downloads",
+    )
+    p.add_argument("--check", action="store_true", help="compare with one device (in float64 for float32); exit 1 if "
+                   "they differ")  # fmt: skip
+    p.add_argument("--checkpoint", metavar="DIR", help="save replica 0 each epoch; resume from DIR's latest")
+    p.add_argument("--baseline", action="store_true", help="and the same steps on one device: the efficiency")
     p.add_argument("--json", metavar="PATH", help="write the final metrics to PATH")
     p.add_argument("--logdir", help="TensorBoard scalars here (loss, accuracy, images per second)")
     p.add_argument("--profile", action="store_true", help="and a profiler trace of steps 3 to 5 in --logdir")
     a = p.parse_args(argv)
     n = len(a.devices.split(",")) if a.devices else a.simulate or 2
+
+    def folder_of(flag, path):
+        return Path(path).exists() and not Path(path).is_dir(), f"{flag} {path}: a file, not a folder; give a folder"
+
     problems = [
         (a.devices and a.simulate, "give --devices or --simulate, not both"),
         (a.simulate is not None and not 1 <= a.simulate <= 16, "--simulate: 1 to 16 devices"),
         (min(a.epochs, a.batch, 1 if a.steps is None else a.steps) < 1, "--epochs, --batch and --steps must be >= 1"),
         (a.batch % n, f"--batch {a.batch}: give a multiple of the {n} devices, e.g. {max(n, a.batch // n * n)}"),
         (not 0 < a.lr < float("inf"), f"--lr {a.lr}: give a positive learning rate, e.g. 1e-3"),
+        (not 0 <= a.bucket_mb < float("inf"), f"--bucket-mb {a.bucket_mb}: give 0 MB or more (0: per gradient)"),
+        (a.log_every < 1, f"--log-every {a.log_every}: give 1 or more steps"),
+        (a.precision == "float16" and a.strategy == "mirrored", "--precision float16 needs loss scaling, which the "
+         "mirrored step (notebook 03's) does not do: give --precision bfloat16, or --strategy replicated"),
+        (a.check and a.checkpoint, "--check compares fresh weights and saves none: drop --checkpoint"),
+        (a.check and a.baseline, "--baseline times a training run and --check trains none: drop one"),
+        (a.baseline and n < 2, "--baseline compares with one device: give 2 or more devices"),
         (a.profile and not a.logdir, "--profile writes into --logdir: give --logdir DIR too"),
         (a.logdir and not importlib.util.find_spec("tensorboard"), "--logdir: pip install tensorboard first"),
         (a.data not in (None, "digits") and not Path(a.data or "").is_file(), f"--data {a.data}: no such file"),
@@ -628,12 +909,49 @@ def parse(argv):
          "no data: run the file from the course (tutorial_lib/digits.csv.gz) or give --data PATH of an mnist.npz"),
         (a.json and not Path(a.json).absolute().parent.is_dir(), f"--json {a.json}: no such folder"),
         (a.json and Path(a.json).is_dir(), f"--json {a.json}: a folder; give a file in it, e.g. {a.json}/m.json"),
-        (a.logdir and Path(a.logdir).exists() and not Path(a.logdir).is_dir(),
-         f"--logdir {a.logdir}: a file, not a folder; give a folder (made if missing)"),
+        folder_of("--logdir", a.logdir or ""),
+        folder_of("--checkpoint", a.checkpoint or ""),
     ]  # fmt: skip
     for message in [message for problem, message in problems if problem][:1]:
         p.error(message)
+    a.bn_auto = a.bn == "auto"
+    a.bn = ("sync" if a.batch // n < SYNC_BELOW else "local") if a.bn_auto else a.bn
     return a
+
+
+def bn_said(args, n):
+    share = args.batch // n
+    why = f" (auto: sync below {SYNC_BELOW} examples a device, where a share's statistics get noisy)" * args.bn_auto
+    if args.bn == "sync":
+        return f"batch norm: synchronized, the statistics of all {args.batch} examples, all-reduced per layer{why}"
+    return f"batch norm: local, each replica its own {share} examples' statistics, no all-reduce{why}"
+
+
+def gradients_said(args, input_shape):
+    """What the all-reduce of the gradients will be: how many buckets of how many bytes."""
+    if args.strategy == "mirrored":
+        return "gradients: summed by MirroredStrategy's apply_gradients (--bucket-mb is the replicated route's)"
+    with precision(args.precision):
+        weights = make_cnn(input_shape).trainable_variables
+    if not args.bucket_mb:
+        return f"gradients: one all-reduce per gradient, {len(weights)} a step (--bucket-mb 0, the lesson's form)"
+    plan = bucket_plan(weights, args.bucket_mb * 2**20)
+    sizes = [sum(int(np.prod(weights[j].shape)) * 4 for j in bucket) for bucket in plan]  # float32 weights
+    return (f"gradients: {len(weights)} tensors, {sum(sizes):,} bytes, in {len(plan)} bucket(s) of up to "
+            f"{args.bucket_mb:g} MB, last layers first: {', '.join(f'{s:,}' for s in sizes)} bytes")  # fmt: skip
+
+
+def mirrored_reduce_said(devices, method):
+    """What MirroredStrategy will sum with: ReductionToOneDevice for --all-reduce central, else TensorFlow's default,
+    as tf.distribute picks it (CollectiveAllReduce, or ReductionToOneDevice for a mix of CPUs and GPUs)."""
+    gpus = [d for d in devices if "GPU" in d.upper()]
+    if method == "central":
+        return "central", "ReductionToOneDevice, through the first device"
+    if gpus and len(gpus) < len(devices):
+        return "default", "TensorFlow's default for a mix of CPUs and GPUs: ReductionToOneDevice"
+    logical = len(tf.config.list_logical_devices("GPU")) > len(tf.config.list_physical_devices("GPU"))
+    how = "ring (CPUs)" if not gpus else "ring (logical GPUs)" if logical else "NCCL (whole GPUs)"
+    return "default", f"TensorFlow's default, CollectiveAllReduce: {how}"
 
 
 def main(argv=None):
@@ -644,11 +962,20 @@ def main(argv=None):
         most = len(data[0][0]) // len(devices) * len(devices)
         refuse(f"--batch {args.batch}: the training set holds {len(data[0][0])} images; give --batch {most} or less")
     args.method, args.method_said = all_reduce_method(devices, args.all_reduce)
-    metrics = {"largest_relative_difference": check(args, devices, data)} if args.check else train(args, devices, data)
+    if args.strategy == "mirrored":
+        args.method, args.method_said = mirrored_reduce_said(devices, args.method)
+    print(bn_said(args, len(devices)))
+    print(gradients_said(args, data[0][0].shape[1:]))
+    if args.check:
+        metrics = {"largest_relative_difference": check(args, devices, data)}
+    else:
+        metrics = train(args, devices, data)
+        metrics.update(baseline(args, devices, data, metrics) if args.baseline else {})
     if args.json:
-        head = {"devices": devices, "strategy": args.strategy, "all_reduce": args.method}
+        head = {"devices": devices, "strategy": args.strategy, "all_reduce": args.method, "bn": args.bn,
+                "precision": args.precision}  # fmt: skip
         Path(args.json).write_text(json.dumps(json_ready({**head, **metrics})))
-    return 0 if metrics.get("largest_relative_difference", 0) <= 1e-5 else 1  # NaN: 1
+    return 0 if metrics.get("largest_relative_difference", 0) <= TOLERANCE[args.precision] else 1  # NaN: 1
 
 
 def json_ready(value):

@@ -85,7 +85,7 @@ def test_check_finds_a_replica_that_normalizes_with_its_own_batch(devs, monkeypa
     (x, y), test = example.load_data("digits")
     args = example.parse(["--check", "--steps", "3", "--batch", "16", "--simulate", "2"])
     args.method, args.method_said = "ring", "ring"
-    monkeypatch.setattr(example, "sync_batch_norm", _per_device_batch_norm)
+    monkeypatch.setattr(example, "sync_bn32", _per_device_batch_norm)  # the statistics of the program's step
     assert example.check(args, devs[:2], ((x, y), test)) > 1e-3
 
 
@@ -218,7 +218,7 @@ def test_data_a_take_away_file_cannot_use_exits_2_saying_why(name, kind, message
 def test_devices_this_machine_lacks_exit_2_listing_the_ones_it_has(name, devices, capsys):
     module = example if name == "train_multi_gpu" else pipelined
     with pytest.raises(SystemExit) as stop:
-        module.main(["--devices", devices, "--batch", "12"])
+        module.main(["--devices", devices, "--batch", "24"])  # 24: a multiple of 8 micro-batches and of 2 or 3 devices
     err = capsys.readouterr().err
     assert stop.value.code == 2 and "this machine has /device:CPU:0" in err and "--simulate N" in err, err
 
@@ -345,3 +345,140 @@ def test_a_batch_norm_inside_a_functional_block_is_refused_not_left_per_device(d
     model = keras.Sequential([keras.Input((8, 8, 1)), block, keras.layers.Flatten(), keras.layers.Dense(10)])
     with pytest.raises(TypeError, match=r"functional_block .* holds a BatchNormalization.*keras.Sequential"):
         example.replicated_forward([model, model], devs[:2], [tf.zeros((2, 8, 8, 1))] * 2, example.ALL_SUMS["ring"])
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--bucket-mb", "-1"], "give 0 MB or more"),
+        (["--bucket-mb", "nan"], "give 0 MB or more"),
+        (["--log-every", "0"], "give 1 or more steps"),
+        (["--bn", "ghost"], "invalid choice"),
+        (["--precision", "float8"], "invalid choice"),
+        (["--precision", "float16", "--strategy", "mirrored"], "needs loss scaling"),
+        (["--check", "--checkpoint", "/tmp"], "drop --checkpoint"),
+        (["--check", "--baseline"], "drop one"),
+        (["--baseline", "--simulate", "1"], "give 2 or more devices"),
+    ],
+)
+def test_bad_values_of_the_speed_options_exit_2_with_the_fix(argv, message, capsys):
+    with pytest.raises(SystemExit) as stop:
+        example.parse(argv)
+    assert stop.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_bn_auto_is_sync_for_small_shares_and_local_for_large_ones():
+    assert example.parse(["--batch", "32", "--simulate", "2"]).bn == "sync"  # 16 a device
+    assert example.parse(["--batch", "128", "--simulate", "2"]).bn == "local"  # 64 a device
+    assert example.parse(["--batch", "128", "--simulate", "2", "--bn", "sync"]).bn == "sync"
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [["--bn", "local"], ["--bucket-mb", "0.02"], ["--bucket-mb", "0"], ["--precision", "bfloat16", "--bn", "sync"]],
+)
+def test_every_option_passes_check_against_one_device(devs, extra, capsys):
+    assert example.main(["--check", "--steps", "3", "--batch", "24", "--devices", ",".join(devs[:3]), *extra]) == 0
+    assert "(ok)" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_float16_with_loss_scaling_and_mirrored_local_bn_pass_check(devs, monkeypatch, capsys):
+    # Two MirroredStrategy objects of one process reuse collective keys: a group of its own for this one.
+    monkeypatch.setattr(tf.distribute.MirroredStrategy, "_collective_key_base", 7000)
+    argv = ["--check", "--steps", "4", "--batch", "32", "--devices", ",".join(devs[:2])]
+    assert example.main([*argv, "--precision", "float16", "--bn", "sync"]) == 0
+    assert example.main([*argv, "--strategy", "mirrored", "--bn", "local"]) == 0
+    assert capsys.readouterr().out.count("(ok)") == 2
+
+
+def test_check_finds_local_statistics_where_the_reference_syncs(devs, monkeypatch):
+    (x, y), test = example.load_data("digits")
+    args = example.parse(["--check", "--steps", "3", "--batch", "16", "--devices", ",".join(devs[:2]), "--bn", "local"])
+    args.method, args.method_said = "ring", "ring"
+    real = example.make_train_step
+    monkeypatch.setattr(example, "make_train_step", lambda r, d, o, method, _local, b: real(r, d, o, method, False, b))
+    assert example.check(args, devs[:2], ((x, y), test)) > 1e-3
+
+
+def test_buckets_start_from_the_last_layer_and_hold_at_most_their_bytes():
+    tensors = [tf.zeros([n]) for n in (10, 300, 20, 20, 5)]  # 40, 1200, 80, 80, 20 bytes
+    assert example.bucket_plan(tensors, 200) == [[4, 3, 2], [1], [0]]
+    assert example.bucket_plan(tensors, 10**6) == [[4, 3, 2, 1, 0]]
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_the_bucketed_step_traces_one_nccl_all_reduce_per_bucket_on_gpu_names_every_op_on_its_replica(n):
+    from test_placement import GPUS, _batch, _sync_bn
+
+    from tutorial_lib import placement
+
+    replicas, optimizers, owners = _sync_bn(GPUS[:n])
+    plan = example.bucket_plan(replicas[0].trainable_variables, 40_000)
+    step = example.make_train_step(replicas, GPUS[:n], optimizers, "nccl", bucket_bytes=40_000)
+    x, y = _batch(2 * n)
+    args = [tf.split(x, n), tf.split(y, n)]
+    report = placement.audit(step, *args, owners=owners)
+    assert report.ok and report.ops_checked > 500, report
+    graph = step.get_concrete_function(*args).graph
+    nccl = [op.device for op in graph.get_operations() if op.type == "NcclAllReduce"]
+    assert len(plan) == 3  # the dense kernel alone, the second convolution alone, the rest
+    # Per GPU: each BN layer's statistics forward and backward (2 x 2), and one per bucket.
+    assert sorted(nccl) == sorted(f"/device:GPU:{i}" for i in range(n) for _ in range(4 + len(plan)))
+
+
+@pytest.mark.parametrize("bn", [False, True])
+def test_the_bucketed_step_runs_with_every_op_and_variable_on_its_replica(devs, bn):
+    from test_placement import _batch, _sync_bn
+
+    from tutorial_lib import placement
+
+    replicas, optimizers, owners = _sync_bn(devs[:2])
+    step = example.make_train_step(replicas, devs[:2], optimizers, local_bn=bn, bucket_bytes=40_000)
+    x, y = _batch()
+    shares = [[tf.identity(t) for t in tf.split(v, 2)] for v in (x, y)]
+    report = placement.audit(step, *shares, owners=owners, run=True)
+    assert report.ok and report.variables_checked == 60, report
+
+
+def test_a_cifar_like_npz_of_colour_images_trains(devs, tmp_path, capsys):
+    rng = np.random.default_rng(0)
+    x, y = rng.integers(0, 256, (64, 32, 32, 3)).astype(np.uint8), rng.integers(0, 10, 64).astype(np.uint8)
+    path = _npz(tmp_path / "cifar.npz", x_train=x, y_train=y, x_test=x[:16], y_test=y[:16])
+    assert example.load_data(path)[0][0].shape == (64, 32, 32, 3)
+    assert example.main(["--data", path, "--steps", "2", "--batch", "16", "--devices", ",".join(devs[:2])]) == 0
+    out = capsys.readouterr().out
+    assert "step 1 traced the step" in out and "timing: 1 timed steps" in out, out
+
+
+def _final_weights(argv, monkeypatch):
+    runs, real = [], example.trainer
+    keras.utils.set_random_seed(0)  # the same initial weights in each run
+    monkeypatch.setattr(example, "trainer", lambda *a: runs.append(real(*a)) or runs[-1])
+    assert example.main(argv) == 0
+    return [[np.asarray(v) for v in replica] for replica in runs[-1].variables]
+
+
+@pytest.mark.slow
+def test_a_run_stopped_and_resumed_from_its_checkpoint_ends_equal_to_one_that_did_not(devs, tmp_path, monkeypatch):
+    argv = ["--batch", "256", "--bn", "sync", "--devices", ",".join(devs[:2]), "--log-every", "2"]  # 5 steps an epoch
+    straight = _final_weights([*argv, "--steps", "8"], monkeypatch)
+    folder = str(tmp_path / "ckpt")
+    _final_weights([*argv, "--steps", "3", "--checkpoint", folder], monkeypatch)  # stops inside epoch 1
+    resumed = _final_weights([*argv, "--steps", "8", "--checkpoint", folder], monkeypatch)
+    for a, b in zip(straight, resumed, strict=True):
+        for u, v in zip(a, b, strict=True):
+            np.testing.assert_allclose(u, v, rtol=1e-5, atol=1e-7)
+    for replica in resumed[1:]:  # every replica restored equal, and still equal
+        for u, v in zip(replica, resumed[0], strict=True):
+            np.testing.assert_array_equal(u, v)
+
+
+@pytest.mark.slow
+def test_baseline_prints_the_efficiency_against_one_device(devs, tmp_path, capsys):
+    path = tmp_path / "m.json"
+    argv = ["--steps", "4", "--batch", "64", "--devices", ",".join(devs[:2]), "--baseline", "--json", str(path)]
+    assert example.main(argv) == 0
+    assert "efficiency:" in capsys.readouterr().out
+    metrics = json.loads(path.read_text())
+    assert metrics["efficiency"] > 0 and metrics["baseline_step_ms"] > 0 and metrics["steps"] == 4
