@@ -4,7 +4,8 @@
     python tools/teaching_plan.py --write    put it into README.md between its two markers
 
 A session of SESSION_MINUTES takes consecutive notebooks' core paths up to CORE_MINUTES: the
-rest is slack for setting up, restarting a kernel and questions. The deep dives are homework. tests/test_teaching.py checks that the README holds exactly this table.
+rest is slack for setting up, restarting a kernel and questions. The deep dives are homework.
+tests/test_teaching.py checks that the README holds exactly this table.
 """
 
 import argparse
