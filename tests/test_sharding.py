@@ -55,6 +55,54 @@ def test_each_stage_equals_keras_adam_and_moves_the_formula_bytes(devs, n, stage
     assert memory[devs[0]] == {"params": held["params"], "grads": held["grads"], "optimizer": 2 * held["m"]}
 
 
+DEEP = (64, 16, 12, 12, 10)  # four layers of 1040, 204, 156 and 130 numbers
+
+
+def _deep_problem():
+    rng = np.random.default_rng(2)
+    flats = [
+        tf.constant(0.1 * rng.normal(size=[DEEP[k] * DEEP[k + 1] + DEEP[k + 1]]).astype(np.float32))
+        for k in range(len(DEEP) - 1)
+    ]
+    return flats, tf.constant(rng.normal(size=[12, 64]).astype(np.float32)), tf.constant(rng.integers(0, 10, 12))
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_zero3_by_layer_equals_adam_on_one_device_holding_at_most_two_layers(devs, n):
+    flats, x, y = _deep_problem()
+    weights, adam = [tf.Variable(f) for f in flats], tf.keras.optimizers.Adam(1e-2)
+    one = sharding.make_state(flats, devs[:1], 0)  # the same Adam (adam_update), one device, the whole batch
+    for step in range(1, 4):
+        with tf.GradientTape() as tape:
+            loss = sharding.local_loss(weights, x, y, DEEP)
+        adam.apply_gradients(zip(tape.gradient(loss, weights), weights, strict=True))
+        sharding.zero_step(one, devs[:1], x, y, DEEP, 0, step, [0])
+    state, traffic, peak = sharding.make_state(flats, devs[:n], 3), [0] * n, [0] * n
+    for step in range(1, 4):
+        sharding.zero3_by_layer(state, devs[:n], x, y, DEEP, step, traffic, peak)
+    for k, reference in enumerate(weights):
+        mine = tf.concat([h["params"][k] for h in state], 0).numpy()
+        np.testing.assert_allclose(mine, one[0]["params"][k].numpy(), rtol=0, atol=1e-6)
+        # Keras rounds its learning rate and betas to float32 in the step size: 6.7e-6 of each update
+        np.testing.assert_allclose(mine, reference.numpy(), rtol=0, atol=1e-5)
+    sizes = [4 * f.shape[0] for f in flats]
+    assert peak == [max(a + b for a, b in zip(sizes, sizes[1:], strict=False))] * n  # the first two layers
+    assert peak[0] < sum(sizes)  # gather_weights holds them all
+    psi = sum(f.shape[0] for f in flats)
+    assert sum(traffic) == 3 * 3 * (n - 1) * psi * 4  # 3 steps of stage 3's bytes: two gathers and a reduce-scatter
+
+
+def test_zero3_by_layer_refuses_a_state_of_whole_weights_and_a_short_peak(devs):
+    flats, x, y = _deep_problem()
+    whole = sharding.make_state(flats, devs[:2], 1)
+    with pytest.raises(
+        ValueError, match=r"layer 0 has 1040 numbers but the devices hold 2080 .* make_state\(flats, devices, 3\)"
+    ):
+        sharding.zero3_by_layer(whole, devs[:2], x, y, DEEP, 1, [0, 0], [0, 0])
+    with pytest.raises(ValueError, match="2 devices but 1 peak counters"):
+        sharding.zero3_by_layer(sharding.make_state(flats, devs[:2], 3), devs[:2], x, y, DEEP, 1, [0, 0], [0])
+
+
 def test_shard_sizes_are_the_rings_chunks():
     assert sharding.shard_sizes(10, 3) == [4, 3, 3]
     assert sum(sharding.shard_sizes(1040, 3)) == 1040

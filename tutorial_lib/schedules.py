@@ -87,3 +87,145 @@ def bubble_fraction(stages: int, micro_batches: int) -> float:
     S = checks.whole_number(stages, "stages")
     M = checks.whole_number(micro_batches, "micro_batches")
     return (S - 1) / (M + S - 1)
+
+
+# --- past GPipe's bound: zero bubble and interleaving (not lessons yet; notebook 05 may adopt them) ---
+#
+# An op here is (kind, m) or (kind, m, chunk). Kinds: "F" forward; "B" the backward, which in an
+# order that also has "W" ops is only the input's gradient (zero bubble's B, on the critical
+# path) and otherwise the whole backward; "W" the weights' gradient, which needs only its own B.
+# Device d's chunk c is virtual stage c * S + d of the model (Megatron-LM's interleaving), so
+# micro-batch m flows through stages 0..S-1 of chunk 0, then of chunk 1, and so on.
+
+
+def zb_h1(S, M):
+    """ZB-H1 (Qi et al., ICLR 2024, arXiv:2401.10241, sec. 2.1): 1F1B's order with each backward
+    split into B and W, stage s deferring its first s W's so that every stage holds at most S
+    micro-batches (1F1B's first stage); the deferred W's fill the tail of the step."""
+    S, M = checks.whole_number(S, "S"), checks.whole_number(M, "M")
+    orders = []
+    for s in range(S):
+        warmup = min(S - 1 - s, M)
+        order, weights = [("F", m) for m in range(warmup)], iter(range(M))
+        for i in range(M):
+            if warmup + i < M:
+                order.append(("F", warmup + i))
+            order.append(("B", i))
+            if i >= s:  # stage s keeps s W's waiting
+                order.append(("W", next(weights)))
+        orders.append(order + [("W", m) for m in weights])
+    return orders
+
+
+def interleaved(S, M, v=2):
+    """Interleaved 1F1B (Narayanan et al., SC'21, arXiv:2104.04473, sec. 2.2) with v model chunks
+    per device, in Megatron-LM's order: micro-batches in groups of S, each group through chunk
+    0, then chunk 1, ...; backwards through the chunks in reverse; (S-d-1)*2 + (v-1)*S warm-up
+    forwards on device d, then one forward and one backward. Ops are (kind, m, chunk)."""
+    S, M, v = checks.whole_number(S, "S"), checks.whole_number(M, "M"), checks.whole_number(v, "v")
+    if M % S:
+        raise ValueError(
+            f"interleaving needs M a multiple of S (Megatron-LM runs micro-batches through each chunk in "
+            f"groups of S), got M={M} with S={S}: use M={M - M % S or S} or M={M - M % S + S}."
+        )
+    total = M * v
+
+    def op(kind, k):  # the k-th forward or backward of a device: which micro-batch, which chunk
+        group, within = divmod(k, S * v)
+        chunk = within // S if kind == "F" else v - 1 - within // S
+        return (kind, group * S + within % S, chunk)
+
+    orders = []
+    for d in range(S):
+        warmup = total if M == S else min((S - d - 1) * 2 + (v - 1) * S, total)
+        order = [op("F", k) for k in range(warmup)]
+        for k in range(total - warmup):
+            order += [op("F", warmup + k), op("B", k)]
+        orders.append(order + [op("B", k) for k in range(total - warmup, total)])
+    return orders
+
+
+def _ops(order):
+    """An order's ops as (kind, m, chunk), chunk 0 where none is named."""
+    return [(op[0], op[1], op[2] if len(op) > 2 else 0) for op in order]
+
+
+def _split(orders):
+    """Per device, whether its backwards are split into B and W (refusing a W-less B there)."""
+    split = []
+    for d, order in enumerate(map(_ops, orders)):
+        b, w = {o[1:] for o in order if o[0] == "B"}, {o[1:] for o in order if o[0] == "W"}
+        if w and b != w:
+            raise ValueError(f"device {d} splits its backwards into B and W but not for every (m, chunk): "
+                             f"B without W {sorted(b - w)}, W without B {sorted(w - b)}.")  # fmt: skip
+        split.append(bool(w))
+    return split
+
+
+def unroll_split(orders):
+    """(device, kind, m, chunk) in an order that respects every device's order and every data
+    dependency: F needs the previous virtual stage's F; B its own F and the next virtual stage's
+    B; W its own B."""
+    orders = [_ops(order) for order in orders]
+    S = len(orders)
+    last = S * (1 + max((c for order in orders for *_, c in order), default=0)) - 1
+    done, plan, next_op = set(), [], [0] * S
+
+    def ready(d, kind, m, c):
+        k = c * S + d  # the virtual stage
+        if kind == "F":
+            return k == 0 or ("F", m, k - 1) in done
+        if kind == "W":
+            return ("B", m, k) in done
+        return ("F", m, k) in done and (k == last or ("B", m, k + 1) in done)
+
+    while len(plan) < sum(map(len, orders)):
+        before = len(plan)
+        for d in range(S):
+            while next_op[d] < len(orders[d]) and ready(d, *orders[d][next_op[d]]):
+                kind, m, c = orders[d][next_op[d]]
+                done.add((kind, m, c * S + d))
+                plan.append((d, kind, m, c))
+                next_op[d] += 1
+        if len(plan) == before:
+            waiting = {d: orders[d][next_op[d]] for d in range(S) if next_op[d] < len(orders[d])}
+            raise ValueError(f"these device orders wait on each other forever: next ops {waiting}")
+    return plan
+
+
+def simulated_busy_idle(orders, t_forward=1.0, t_input=1.0, t_weight=1.0):
+    """Per device, (busy, idle) time of a step in which each op starts as soon as its inputs and
+    its device are free. t_* are a whole stage's times, split evenly over its chunks; a B in an
+    order without W's is the whole backward, t_input + t_weight."""
+    split, chunks = _split(orders), 1 + max((c for order in orders for *_, c in _ops(order)), default=0)
+    S, end, free, busy = len(orders), {}, [0.0] * len(orders), [0.0] * len(orders)
+    for d, kind, m, c in unroll_split(orders):
+        k = c * S + d
+        if kind == "F":
+            ready, took = end.get(("F", m, k - 1), 0.0), t_forward
+        elif kind == "W":
+            ready, took = end["B", m, k], t_weight
+        else:
+            ready = max(end["F", m, k], end.get(("B", m, k + 1), 0.0))
+            took = t_input if split[d] else t_input + t_weight
+        end[kind, m, k] = free[d] = max(free[d], ready) + took / chunks
+        busy[d] += took / chunks
+    return [(b, max(free) - b) for b in busy]
+
+
+def bubble_rate(orders, t_forward=1.0, t_input=1.0, t_weight=1.0):
+    """The papers' bubble rate: the largest idle time of a device over its busy time, (S-1)/M for
+    1F1B with equal stages, (S-1)/(3M) for ZB-H1 with equal F, B and W, (S-1)/(vM) interleaved."""
+    return max(idle / busy for busy, idle in simulated_busy_idle(orders, t_forward, t_input, t_weight))
+
+
+def stash_split(order):
+    """The most (micro-batch, chunk) activations a device keeps at once: a forward adds one; its
+    W frees it where the backward is split (the weights' gradient still needs the input), else its B."""
+    ops = _ops(order)
+    frees = "W" if any(kind == "W" for kind, *_ in ops) else "B"
+    live = peak = 0
+    for kind, *_ in ops:
+        live += 1 if kind == "F" else -1 if kind == frees else 0
+        peak = max(peak, live)
+    return peak

@@ -2,7 +2,7 @@
 on an MLP whose layers are flat vectors, and Megatron's f and g operators; each step adds the
 bytes each device sends to `traffic`.
 
-The package's `zero_step` and `memory_per_device` are the lessons with their arguments checked
+The package's `zero_step`, `zero3_by_layer` and `memory_per_device` are the lessons with their arguments checked
 first (the guard rails at the end, beside the lesson code, never inside it).
 """
 
@@ -25,13 +25,19 @@ def shard_sizes(size, n):
 
 
 # lesson: 08_sharding
+def apply_layer(flat, x, widths, k):
+    """Layer k: weights and bias kept as ONE flat vector (as FSDP keeps a layer), ReLU after all but the last."""
+    fan_in, units = widths[k], widths[k + 1]
+    w, b = tf.split(flat, [fan_in * units, units])
+    x = x @ tf.reshape(w, [fan_in, units]) + b
+    return tf.nn.relu(x) if k < len(widths) - 2 else x
+
+
+# lesson: 08_sharding
 def forward(flats, x, widths):
-    """The MLP: each layer's weights and bias kept as ONE flat vector (as FSDP keeps a layer), ReLU between."""
+    """The MLP: its layers one after the other."""
     for k, flat in enumerate(flats):
-        fan_in, units = widths[k], widths[k + 1]
-        w, b = tf.split(flat, [fan_in * units, units])
-        x = x @ tf.reshape(w, [fan_in, units]) + b
-        x = tf.nn.relu(x) if k < len(flats) - 1 else x
+        x = apply_layer(flat, x, widths, k)
     return x
 
 
@@ -157,6 +163,83 @@ def zero_step(state, devices, x, y, widths, stage, step, traffic):
 
 
 # lesson: 08_sharding
+def gather_layer(state, devices, k, traffic):
+    """Stage 3, one layer: layer k's whole weights on every device, all-gathered from its chunks."""
+    return counted(all_gather, [h["params"][k] for h in state], devices, traffic)
+
+
+# lesson: 08_sharding
+def note_peak(gathered, peak):
+    """peak[i]: the most bytes of whole weights device i has held at once, counted from the tensors
+    the code keeps (`gathered`: layer -> its copies, one per device)."""
+    for i in range(len(peak)):
+        now = sum(copies[i].shape.num_elements() * copies[i].dtype.size for copies in gathered.values())
+        peak[i] = max(peak[i], now)
+
+
+# lesson: 08_sharding
+def forward_by_layer(state, devices, xs, widths, traffic, peak):
+    """Each layer gathered just before its forward, the next one's gather issued first (prefetch),
+    dropped after use. Returns the outputs and each layer's inputs (kept for the backward)."""
+    layers, inputs = len(widths) - 1, []
+    gathered = {0: gather_layer(state, devices, 0, traffic)}
+    for k in range(layers):
+        if k + 1 < layers:
+            gathered[k + 1] = gather_layer(state, devices, k + 1, traffic)  # prefetch
+        note_peak(gathered, peak)
+        weights, outputs = gathered.pop(k), []  # layer k: used once, then dropped
+        for d, w, a in zip(devices, weights, xs, strict=True):
+            with tf.device(d):
+                outputs.append(apply_layer(w, a, widths, k))
+        inputs.append(xs)
+        xs = outputs
+        del weights
+    return xs, inputs
+
+
+# lesson: 08_sharding
+def backward_by_layer(state, devices, inputs, upstream, widths, step, traffic, peak):
+    """From the last layer down: gather it again (prefetching the one below), recompute this one
+    layer from its kept input under a tape, take both gradients, drop the weights, and
+    reduce-scatter the weights' gradient into each device's chunk at once, then Adam on it."""
+    layers = len(widths) - 1
+    gathered = {layers - 1: gather_layer(state, devices, layers - 1, traffic)}
+    for k in reversed(range(layers)):
+        if k > 0:
+            gathered[k - 1] = gather_layer(state, devices, k - 1, traffic)  # prefetch
+        note_peak(gathered, peak)
+        weights, grads, below = gathered.pop(k), [], []
+        for d, w, a, g in zip(devices, weights, inputs[k], upstream, strict=True):
+            with tf.device(d), tf.GradientTape() as tape:
+                tape.watch([w, a])
+                out = apply_layer(w, a, widths, k)
+            grad_w, grad_a = tape.gradient(out, [w, a], output_gradients=g)
+            grads.append(grad_w)
+            below.append(grad_a)
+        del weights
+        update_layer(state, devices, k, grads, 3, step, traffic)  # reduce-scatter, Adam on my chunk
+        upstream = below
+
+
+# lesson: 08_sharding
+def zero3_by_layer(state, devices, x, y, widths, step, traffic, peak):
+    """One ZeRO-3 step as FSDP runs it, one layer's weights at a time (plus the next, prefetched);
+    returns the mean loss and raises peak[i] to the most bytes of whole weights device i held."""
+    n = len(devices)
+    ys = tf.split(y, n)
+    logits, inputs = forward_by_layer(state, devices, tf.split(x, n), widths, traffic, peak)
+    losses, upstream = [], []
+    for d, z, labels in zip(devices, logits, ys, strict=True):
+        with tf.device(d), tf.GradientTape() as tape:
+            tape.watch(z)
+            loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels, z))
+        upstream.append(tape.gradient(loss, z) / n)  # the mean over devices, once summed
+        losses.append(loss)
+    backward_by_layer(state, devices, inputs, upstream, widths, step, traffic, peak)
+    return float(tf.add_n([tf.identity(v) for v in losses]) / n)
+
+
+# lesson: 08_sharding
 def placed(tensors, devices):
     """tensors[i] on devices[i] (tf.custom_gradient returns its outputs on the default device)."""
     out = []
@@ -219,6 +302,18 @@ def check_zero_step(state, devices, x, y, widths, stage, step, traffic) -> None:
                          f"many labels as examples, a multiple of {len(devices)} (each device gets 1/N).")  # fmt: skip
 
 
+def check_zero3_by_layer(state, devices, x, y, widths, step, traffic, peak) -> None:
+    """Refuse what zero3_by_layer cannot do right: zero_step's checks, one peak per device, and a
+    state whose weights are chunks (stage 3), not whole copies that all-gather would repeat N times."""
+    check_zero_step(state, devices, x, y, widths, 3, step, traffic)
+    checks.same_length("devices", devices, "peak counters", peak)
+    for k in range(len(widths) - 1):
+        size, held = widths[k] * widths[k + 1] + widths[k + 1], sum(h["params"][k].shape[0] for h in state)
+        if held != size:
+            raise ValueError(f"layer {k} has {size} numbers but the devices hold {held} of its weights: "
+                             "zero3_by_layer needs a stage-3 state, make_state(flats, devices, 3).")  # fmt: skip
+
+
 def _checked(lesson, check):
     """`lesson`, with `check` run on its arguments first."""
 
@@ -249,4 +344,5 @@ def _memory_per_device(lesson):
 
 
 zero_step = _checked(zero_step, check_zero_step)
+zero3_by_layer = _checked(zero3_by_layer, check_zero3_by_layer)
 memory_per_device = _memory_per_device(memory_per_device)
