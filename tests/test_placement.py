@@ -212,3 +212,24 @@ def test_allreduce_names_are_communication_for_the_audit():
     from tutorial_lib.timeline import is_communication
 
     assert is_communication("tower_0/ring_all_reduce_1/add") and not is_communication("moving_average/AssignSub")
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_each_zero_stage_updates_each_shard_on_its_device(devs, stage):
+    from tutorial_lib import sharding
+
+    widths, rng = (64, 16, 10), np.random.default_rng(0)
+    flats = [tf.constant(rng.normal(size=[widths[k] * widths[k + 1] + widths[k + 1]]).astype(np.float32)) for k in (0, 1)]
+    state = sharding.make_state(flats, devs[:2], stage)
+    owners = {d: [v for kind in held.values() for v in kind] for d, held in zip(devs[:2], state, strict=True)}
+
+    @tf.function
+    def update():
+        grads = []
+        for d in devs[:2]:
+            with tf.device(d):
+                grads.append(tf.ones([flats[0].shape[0]]))
+        sharding.update_layer(state, devs[:2], 0, grads, stage, 1, [0, 0])
+
+    report = placement.audit(update, owners=owners, run=True)  # stages 1-2 split each device's weights: there
+    assert report.ok and report.variables_checked == 16, report

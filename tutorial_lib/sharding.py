@@ -124,10 +124,10 @@ def update_layer(state, devices, k, per_device, stage, step, traffic):
     updated = []
     for i, (held, d) in enumerate(zip(state, devices, strict=True)):
         held["grads"][k].assign(per_device[i] if stage == 1 else shards[i])  # stage 1 holds it whole
-        mine = held["params"][k]
-        if stage < 3:
-            mine = tf.split(mine, shard_sizes(mine.shape[0], n))[i]
-        with tf.device(d):
+        with tf.device(d):  # the split too: outside, device i's weights would be split on the default device
+            mine = held["params"][k]
+            if stage < 3:
+                mine = tf.split(mine, shard_sizes(mine.shape[0], n))[i]
             p, m, v = adam_update(mine, shards[i], held["m"][k], held["v"][k], step)
         held["m"][k].assign(m), held["v"][k].assign(v)
         updated.append(p)
