@@ -219,7 +219,8 @@ def test_each_zero_stage_updates_each_shard_on_its_device(devs, stage):
     from tutorial_lib import sharding
 
     widths, rng = (64, 16, 10), np.random.default_rng(0)
-    flats = [tf.constant(rng.normal(size=[widths[k] * widths[k + 1] + widths[k + 1]]).astype(np.float32)) for k in (0, 1)]
+    sizes = [widths[k] * widths[k + 1] + widths[k + 1] for k in (0, 1)]
+    flats = [tf.constant(rng.normal(size=[size]).astype(np.float32)) for size in sizes]
     state = sharding.make_state(flats, devs[:2], stage)
     owners = {d: [v for kind in held.values() for v in kind] for d, held in zip(devs[:2], state, strict=True)}
 
