@@ -84,6 +84,7 @@ def test_main_runs_the_files_on_every_gpu_and_exits_1_on_a_failure(monkeypatch, 
     monkeypatch.setattr(gpu_check, "gpu_names", lambda: [f"/physical_device:GPU:{i}: fake" for i in range(gpus)])
     monkeypatch.setattr(gpu_check, "versions", lambda: INFO)
     monkeypatch.setattr(gpu_check, "run_files", fake_runs)
+    monkeypatch.setattr(gpu_check, "run_audit", lambda *_: [])
     assert gpu_check.main(["--timeout", "7"]) == code
     assert asked == [(gpus, 7.0)]
     out = capsys.readouterr().out
@@ -102,6 +103,8 @@ if mode == "sleep":
 if mode == "bad-argument":
     sys.exit("train: error: --devices: no such device")
 metrics = {{"step_ms": 12.5}} if "--handoff-wait" in sys.argv else {{"largest_relative_difference": {difference}}}
+if "--baseline" in sys.argv:
+    metrics = {{"step_ms": 12.5, "baseline_step_ms": 20.0, "efficiency": 0.8}}
 json.dump(metrics, open(out, "w"))
 sys.exit({code})
 """
@@ -124,10 +127,11 @@ def test_every_gpu_count_gets_a_batch_it_divides(gpus):
 
 def test_file_runs_check_every_gpu_and_the_pipeline_on_at_most_three():
     runs = gpu_check.file_runs(4)
-    assert [r.file for r in runs] == ["train_multi_gpu.py"] * 2 + ["train_pipelined.py"] * 3
+    assert [r.file for r in runs] == ["train_multi_gpu.py"] * 3 + ["train_pipelined.py"] * 3
     assert all("--check" in r.args and "/GPU:3" in r.args[r.args.index("--devices") + 1] for r in runs[:2])
-    assert all(r.args[r.args.index("--devices") + 1] == "/GPU:0,/GPU:1,/GPU:2" for r in runs[2:])
-    assert [r.args[-1] for r in runs[3:]] == ["on", "off"] and all(r.args[1] == "20" for r in runs)
+    assert "--baseline" in runs[2].args and "/GPU:3" in runs[2].args[runs[2].args.index("--devices") + 1]
+    assert all(r.args[r.args.index("--devices") + 1] == "/GPU:0,/GPU:1,/GPU:2" for r in runs[3:])
+    assert [r.args[-1] for r in runs[4:]] == ["on", "off"] and all(r.args[1] == "20" for r in runs[3:])
 
 
 @pytest.mark.parametrize("gpus", [0, 1])
@@ -155,6 +159,13 @@ def test_a_file_run_passes_fails_or_errs_as_its_exit_and_json_say(tmp_path, mode
     assert (result.status, result.detail) == (status, detail)
 
 
+def test_the_timed_run_reports_its_weak_scaling_efficiency(tmp_path):
+    (tmp_path / "out").mkdir()
+    run = gpu_check.file_runs(2)[2]
+    result, _ = gpu_check.run_file(run, tmp_path / "out", 30, _fake_examples(tmp_path))
+    assert result.status == "measured" and result.detail.endswith("weak-scaling efficiency 80%"), result
+
+
 def test_a_missing_file_is_missing_the_others_still_run_and_the_temporary_folder_goes(tmp_path, monkeypatch):
     import tempfile
 
@@ -164,7 +175,7 @@ def test_a_missing_file_is_missing_the_others_still_run_and_the_temporary_folder
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "temp"))
     results = gpu_check.run_files(2, 30, examples)
     assert list((tmp_path / "temp").iterdir()) == []  # the runs' JSON files went with their folder
-    assert [r.status for r in results] == ["missing", "missing", "pass", "pass", "pass", "measured"]
+    assert [r.status for r in results] == ["missing"] * 3 + ["pass", "pass", "pass", "measured"]
     assert "train_multi_gpu.py is not there" in results[0].detail
     assert results[-1].detail.startswith("on 12.5 ms, off 12.5 ms")
     assert gpu_check.exit_status(results) == 0

@@ -223,7 +223,9 @@ def test_plot_has_a_lane_per_device_and_labelled_axes():
     events = [timeline.Event("/device:CPU:0", "a", "X", 0, 2), timeline.Event("/device:CPU:1", "c", "X", 2, 4)]
     ax = timeline.plot(events, title="demo")
     assert ax.get_title() == "demo" and ax.get_xlabel() == "time (ms)"
-    assert [t.get_text() for t in ax.get_yticklabels()] == ["/device:CPU:0", "/device:CPU:1"]
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["CPU:0", "CPU:1"]
+    assert timeline.lane_label("/job:worker/replica:0/task:1/device:CPU:0") == "worker 1"
+    assert timeline.lane_label("/job:localhost/replica:0/task:0/device:CPU:0") == "CPU:0"
     plt.close(ax.figure)
 
 

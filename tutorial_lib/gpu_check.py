@@ -5,6 +5,7 @@
 The course is built and tested on CPUs. On a machine with 2 or more GPUs this runs the files as a
 reader would, 20 steps each, every one in a child process stopped after `--timeout` seconds (NCCL
 can hang): `examples/train_multi_gpu.py --check` (NCCL all-reduce; then `--strategy mirrored`),
+a timed run of `train_multi_gpu.py --baseline` (the efficiency against one GPU),
 `examples/train_pipelined.py --check` on up to 3 GPUs, the placement audit of both files' steps
 (`tutorial_lib.gpu_audit`: where each op ran), and the pipeline's training with the
 hand-off wait on and off, timed. It exits 1 when a run fails, errs or times out. With one GPU it
@@ -62,6 +63,8 @@ def file_runs(gpus: int) -> list[FileRun]:
     pipe = ("--steps", "20", "--devices", stages)
     runs = [FileRun("train_multi_gpu.py --check", "train_multi_gpu.py", multi)]
     runs += [FileRun(f"{runs[0].name} --strategy mirrored", "train_multi_gpu.py", (*multi, "--strategy", "mirrored"))]
+    timed = ("--steps", "60", "--devices", every, "--batch", str(64 * gpus), "--baseline")  # 64 a GPU, as on one
+    runs += [FileRun("train_multi_gpu.py timed on every GPU and on one", "train_multi_gpu.py", timed)]
     runs += [FileRun("train_pipelined.py --check", "train_pipelined.py", (*pipe, "--check"))]
     for wait in ("on", "off"):  # timed; the last two runs, read by handoff_verdict
         runs += [
@@ -109,6 +112,10 @@ def finished(name: str, code: int, metrics: dict) -> Result:
     if "misplaced" in metrics:
         counts = f"{metrics['ops_checked']} ops and {metrics['variables_checked']} variables checked"
         return Result(name, "pass" if code == 0 else "fail", f"{counts}, {metrics['misplaced']} misplaced")
+    if "efficiency" in metrics:  # --baseline: the same steps on one GPU with one GPU's share of the batch
+        ms, one = metrics["step_ms"], metrics["baseline_step_ms"]
+        return Result(name, "measured", f"{ms:.1f} ms a step on every GPU, {one:.1f} ms on one with its share: "
+                      f"weak-scaling efficiency {metrics['efficiency']:.0%}")  # fmt: skip
     if "largest_relative_difference" not in metrics:
         return Result(name, "pass" if code == 0 else "fail", f"step {metrics['step_ms']:.1f} ms (one run of 20 steps)")
     difference = metrics["largest_relative_difference"]

@@ -287,8 +287,9 @@ def mean_busy_devices(events) -> float:
     return sum(busy_fraction(events).values())
 
 
-def plot(events, devices=None, title="Per-device timeline", ax=None):
-    """Gantt chart: one lane per device, ops coloured by phase, time in milliseconds."""
+def plot(events, devices=None, title="Per-device timeline", ax=None, legend=True):
+    """Gantt chart: one lane per device (named by `lane_label`), ops coloured by phase, time in
+    milliseconds. `legend=False` for all but one of several charts of one figure."""
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
@@ -301,9 +302,19 @@ def plot(events, devices=None, title="Per-device timeline", ax=None):
         for phase, color in PHASE_COLORS.items():
             bars = [(e.start, e.end - e.start) for e in events if e.device == device and e.phase == phase]
             ax.broken_barh(bars, (lane - 0.4, 0.8), color=color)
-    ax.set_yticks(range(len(devices)), devices)
+    ax.set_yticks(range(len(devices)), [lane_label(d) for d in devices])
     ax.invert_yaxis()
     ax.set(xlabel="time (ms)", ylabel="device", title=title)
-    handles = [Patch(color=c, label=p) for p, c in PHASE_COLORS.items() if p in {e.phase for e in events}]
-    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1), fontsize="small")
+    if legend:
+        handles = [Patch(color=c, label=p) for p, c in PHASE_COLORS.items() if p in {e.phase for e in events}]
+        ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1), fontsize="small")
     return ax
+
+
+def lane_label(device: str) -> str:
+    """A lane's short name: 'worker 1' for core device 1 (another process), 'CPU:1' for a device of
+    this process: the full names would take a third of a chart's width."""
+    match = re.fullmatch(r"/job:(\w+)/replica:\d+/task:(\d+)/device:\w+:\d+", device)
+    if match and match[1] != "localhost":
+        return f"{match[1]} {match[2]}"
+    return device.rsplit("device:", 1)[-1]
