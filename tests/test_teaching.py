@@ -106,3 +106,16 @@ def test_ci_installs_chromium_for_the_browser_test_before_running_the_tests():
     ci = (ROOT / ".ci" / "run").read_text()
     assert ci.index("apt-get install") < ci.index("\nmake test")
     assert "chromium" in ci
+
+
+def test_every_term_is_defined_or_pointed_to_where_the_course_first_uses_it(tmp_path):
+    spec = importlib.util.spec_from_file_location("terms", ROOT / "tools" / "terms.py")
+    terms = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(terms)
+
+    assert terms.undefined_first_uses() == []
+    cells = [{"cell_type": "markdown", "source": [text]} for text in (
+        "# 00 · objectives may name NCCL before it is defined", "NCCL sums tensors across GPUs.",
+        "*Bubble* is the idle share. ZeRO shards the state (notebook 08).")]  # fmt: skip
+    (tmp_path / "00_x.ipynb").write_text(json.dumps({"cells": cells}))
+    assert [line.split(":")[1].strip() for line in terms.undefined_first_uses(tmp_path)] == ["NCCL"]
