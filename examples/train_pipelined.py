@@ -325,6 +325,10 @@ def load_data(path):
     for name, (x, y) in zip(("train", "test"), splits, strict=True):
         if problem := data_problem(name, x, y, smallest=8):  # the CNN pools three times by 2
             refuse(f"--data {path}: {problem}")
+    (x_train, _), (x_test, _) = splits
+    if x_train.shape[1:] != x_test.shape[1:]:  # the stages are built for the training images
+        refuse(f"--data {path}: x_train holds {'x'.join(map(str, x_train.shape[1:]))} images and x_test "
+               f"{'x'.join(map(str, x_test.shape[1:]))}; give both splits images of one size")  # fmt: skip
     return [((x[..., None] / scale).astype(np.float32), y.astype(np.int32)) for x, y in splits]
 
 
