@@ -11,6 +11,7 @@ device in a StagingArea (a PRIVATE TensorFlow API; its public route: tf.data's p
 import argparse
 import importlib.util
 import json
+import math
 import statistics
 import sys
 import tempfile
@@ -540,6 +541,10 @@ def train(args, devices, data):
     if len(devices) > 1 and args.batch % len(devices) == 0:
         data_parallel = data_parallel_step(devices, tuple(x_train.shape[1:]))
         variants["data parallel"] = lambda: data_parallel([x], [y])
+    elif len(devices) > 1:  # each replica takes an equal share: said, not silently left out
+        even = -(-args.batch // math.lcm(args.micro_batches, len(devices))) * math.lcm(args.micro_batches, len(devices))
+        print(f"data parallelism not timed: --batch {args.batch} does not split evenly over {len(devices)} devices; "
+              f"give --batch {even} (a multiple of --micro-batches and of the devices) to compare with it")  # fmt: skip
     times = timed(variants)
     ratio, low, high, verdict = speedup(times["pipelined"], times["naive split"])
     with tempfile.TemporaryDirectory() as scratch:
