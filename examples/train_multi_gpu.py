@@ -417,6 +417,10 @@ def load_data(path):
     for name, (x, y) in zip(("train", "test"), splits, strict=True):
         if problem := data_problem(name, x, y, smallest=4):  # the CNN pools twice by 2
             refuse(f"--data {path}: {problem}")
+    sizes = [(*x.shape[1:3], x.shape[3] if x.ndim == 4 else 1) for x, _ in splits]
+    if sizes[0] != sizes[1]:  # the CNN is built for the training images: the test images would fail it at epoch end
+        refuse(f"--data {path}: x_train holds {'x'.join(map(str, sizes[0]))} images (height x width x channels) "
+               f"and x_test {'x'.join(map(str, sizes[1]))}; give both splits images of one size")  # fmt: skip
     return [
         ((x.reshape(*x.shape[:3], -1) / scale).astype(keras.config.floatx()), y.astype(np.int32)) for x, y in splits
     ]
@@ -672,7 +676,16 @@ def restore(args, run):
     saved = tf.train.Checkpoint(model=run.model, optimizer=run.optimizer, steps=done)
     manager = tf.train.CheckpointManager(saved, args.checkpoint, max_to_keep=2)
     if manager.latest_checkpoint:
-        saved.restore(manager.latest_checkpoint).assert_existing_objects_matched()
+        try:
+            saved.restore(manager.latest_checkpoint).assert_existing_objects_matched()
+        except (AssertionError, ValueError, tf.errors.OpError) as err:  # another model, image size or optimizer
+            refuse(f"--checkpoint {args.checkpoint}: {manager.latest_checkpoint} does not fit this run "
+                   f"({type(err).__name__}: {str(err).splitlines()[0][:200]}); it was saved with another --precision "
+                   "or --data image size: give those of the run that saved it, or an empty folder")  # fmt: skip
+        saved_lr = float(run.optimizer.learning_rate)
+        if not np.isclose(saved_lr, args.lr):  # the checkpoint holds Adam's learning rate: --lr wins, said
+            run.optimizer.learning_rate = args.lr
+            print(f"checkpoint: saved with learning rate {saved_lr:g}; training on with --lr {args.lr:g}")
         run.broadcast()
         print(f"checkpoint: resumed from {manager.latest_checkpoint}, {int(done)} steps done")
     return manager, int(done)
@@ -694,6 +707,11 @@ def train(args, devices, data):
     per_epoch = len(x_train) // args.batch
     manager, done = restore(args, run)
     total = min(args.steps or args.epochs * per_epoch, args.epochs * per_epoch)
+    if done >= total:  # nothing to train, time or compare with --baseline
+        refuse(
+            f"--checkpoint {args.checkpoint}: its {done} steps already reach the {total} asked (--steps, or --epochs "
+            f"{args.epochs} of {per_epoch} steps each); ask for more, or give an empty folder to start afresh"
+        )
     writer = tf.summary.create_file_writer(args.logdir) if args.logdir else None
     print(f"{args.strategy}: {len(devices)} replicas of {args.batch // len(devices)} examples on {devices}; "
           f"all-reduce: {args.method_said}; precision {args.precision}")  # fmt: skip
@@ -960,7 +978,18 @@ def mirrored_reduce_said(devices, method):
 def main(argv=None):
     args = parse(argv)
     args.steps = args.steps or (20 if args.check else None)
+    if args.checkpoint:  # now, not after the first epoch's training
+        try:
+            Path(args.checkpoint).mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            refuse(
+                f"--checkpoint {args.checkpoint}: cannot make that folder ({err.strerror}); give a folder you can write"
+            )
     data, devices = load_data(args.data), choose_devices(args)
+    n = len(devices)  # parse assumed --simulate's or 2: every GPU may be more
+    if args.batch % n:
+        refuse(f"--batch {args.batch}: give a multiple of the {n} devices, e.g. {max(n, args.batch // n * n)}")
+    args.bn = ("sync" if args.batch // n < SYNC_BELOW else "local") if args.bn_auto else args.bn
     if args.batch > len(data[0][0]):  # batches() would give none: nothing trained, nothing compared
         most = len(data[0][0]) // len(devices) * len(devices)
         refuse(f"--batch {args.batch}: the training set holds {len(data[0][0])} images; give --batch {most} or less")

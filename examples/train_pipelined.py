@@ -11,6 +11,7 @@ device in a StagingArea (a PRIVATE TensorFlow API; its public route: tf.data's p
 import argparse
 import importlib.util
 import json
+import math
 import statistics
 import sys
 import tempfile
@@ -325,6 +326,10 @@ def load_data(path):
     for name, (x, y) in zip(("train", "test"), splits, strict=True):
         if problem := data_problem(name, x, y, smallest=8):  # the CNN pools three times by 2
             refuse(f"--data {path}: {problem}")
+    (x_train, _), (x_test, _) = splits
+    if x_train.shape[1:] != x_test.shape[1:]:  # the stages are built for the training images
+        refuse(f"--data {path}: x_train holds {'x'.join(map(str, x_train.shape[1:]))} images and x_test "
+               f"{'x'.join(map(str, x_test.shape[1:]))}; give both splits images of one size")  # fmt: skip
     return [((x[..., None] / scale).astype(np.float32), y.astype(np.int32)) for x, y in splits]
 
 
@@ -536,6 +541,10 @@ def train(args, devices, data):
     if len(devices) > 1 and args.batch % len(devices) == 0:
         data_parallel = data_parallel_step(devices, tuple(x_train.shape[1:]))
         variants["data parallel"] = lambda: data_parallel([x], [y])
+    elif len(devices) > 1:  # each replica takes an equal share: said, not silently left out
+        even = -(-args.batch // math.lcm(args.micro_batches, len(devices))) * math.lcm(args.micro_batches, len(devices))
+        print(f"data parallelism not timed: --batch {args.batch} does not split evenly over {len(devices)} devices; "
+              f"give --batch {even} (a multiple of --micro-batches and of the devices) to compare with it")  # fmt: skip
     times = timed(variants)
     ratio, low, high, verdict = speedup(times["pipelined"], times["naive split"])
     with tempfile.TemporaryDirectory() as scratch:

@@ -378,3 +378,15 @@ def test_steps_in_one_call_are_the_same_steps_as_one_call_each(devs):
     for a, b in zip(nets[0].trainable_variables, nets[1].trainable_variables, strict=True):
         np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-6)
     assert scaling.in_one_call(steps[1], 1) is steps[1]
+
+
+@pytest.mark.parametrize("k", [0, -1, 2.5, True, "2"])
+def test_in_one_call_and_the_sweeps_refuse_a_count_of_steps_that_is_not_one_or_more(k, capsys):
+    from tutorial_lib.bench import scaling
+
+    with pytest.raises(ValueError, match=r"k \(steps per call\) must be a whole number >= 1"):
+        scaling.in_one_call(lambda x, _y: x, k)
+    for sweep in (scaling.weak_scaling, scaling.strong_scaling):
+        with pytest.raises(ValueError, match="steps_per_call must be a whole number >= 1"):
+            sweep(["/CPU:0"], steps_per_call=k)
+    assert capsys.readouterr().out == ""  # refused before the sweep says it starts

@@ -218,3 +218,21 @@ def test_the_audit_child_reports_every_op_with_its_owner_on_logical_devices(devs
     result = gpu_check.finished("audit", 1, {**counts, "misplaced": 3})
     assert result.status == "fail" and result.detail.endswith("3 misplaced")
     assert gpu_check.run_audit(1, 5) == []  # one GPU: nothing to audit across
+
+
+@pytest.mark.parametrize(
+    "devices, message",
+    [
+        ("junk", "no device 'junk' here; this machine has /device:CPU:0"),
+        ("/GPU:97,/GPU:98", "no device '/GPU:97', '/GPU:98' here"),
+        ("/CPU:0,/cpu:0", "a device named twice"),
+        ("/CPU:0", "give 2 or more devices"),
+    ],
+)
+def test_the_audit_child_refuses_devices_it_cannot_audit_across_with_exit_2(devices, message, monkeypatch, capsys):
+    from tutorial_lib import gpu_audit
+
+    monkeypatch.setattr(gpu_audit, "sync_bn_report", lambda *_a: pytest.fail("audited before refusing --devices"))
+    with pytest.raises(SystemExit) as stop:  # exit 1 means a misplaced op: a traceback said so
+        gpu_audit.main(["--devices", devices])
+    assert stop.value.code == 2 and message in capsys.readouterr().err

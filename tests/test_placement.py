@@ -234,3 +234,25 @@ def test_each_zero_stage_updates_each_shard_on_its_device(devs, stage):
 
     report = placement.audit(update, owners=owners, run=True)  # stages 1-2 split each device's weights: there
     assert report.ok and report.variables_checked == 16, report
+
+
+def test_owners_that_the_step_does_not_read_or_that_are_not_variables_are_refused(devs):
+    with tf.device(devs[0]):
+        used, unused = tf.Variable(1.0), tf.Variable(2.0)
+    step = tf.function(lambda x: used * x)
+    x = tf.constant(1.0)
+    with pytest.raises(ValueError, match="reads none of the owners' variables"):  # it said ok, 0 ops checked
+        placement.audit(step, x, owners={devs[0]: [unused]})
+    cases = [
+        ({devs[0]: keras.Sequential([keras.Input((1,))])}, TypeError, r"is a list of variables.*got a Sequential"),
+        ({devs[0]: used}, TypeError, "is a list of variables, e.g. model.variables, got a ResourceVariable"),
+        ({devs[0]: [tf.constant(1.0)]}, TypeError, "holds a EagerTensor, not a variable"),
+        ({devs[0]: [used], devs[1]: [used]}, ValueError, "is given to two owners"),
+    ]
+    for owners, error, message in cases:
+        with pytest.raises(error, match=message):
+            placement.audit(step, x, owners=owners)
+    with pytest.raises(TypeError, match=r"scopes is a dict \{name scope: device\}"):
+        placement.audit(step, x, owners={devs[0]: [used]}, scopes=["tower_0"])
+    with pytest.raises(TypeError, match="step is the training step to audit"):
+        placement.audit(None, x, owners={devs[0]: [used]})

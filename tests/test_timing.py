@@ -209,3 +209,15 @@ def test_machine_state_says_busy_with_the_cores_taken_and_quiet_below_a_quarter_
     assert timing.machine_state(None, 2)[0] is False
     fast, slow = timing.Timing(1.0, 0.1, 9), timing.Timing(2.0, 0.1, 9)
     assert timing.verdict(fast, slow) == "faster" and timing.verdict(fast, slow, busy=True) == "busy machine"
+
+
+@pytest.mark.parametrize("seconds", [0, -1, 0.01, float("nan"), float("inf"), True, "1"])
+def test_cores_taken_refuses_a_window_too_short_to_measure_instead_of_saying_quiet(seconds):
+    with pytest.raises(ValueError, match=r"seconds must be a finite number >= 0.1 .*e.g. cores_taken\(1.0\)"):
+        timing.cores_taken(seconds)
+
+
+@pytest.mark.parametrize("taken, cores", [(-1.0, 2), (float("nan"), 2), ("0.5", 2), (0.5, 0), (0.5, 2.0)])
+def test_machine_state_refuses_what_cores_taken_never_returns(taken, cores):
+    with pytest.raises(ValueError, match="taken is what cores_taken|cores must be a whole number"):
+        timing.machine_state(taken, cores)

@@ -451,6 +451,50 @@ def test_a_cifar_like_npz_of_colour_images_trains(devs, tmp_path, capsys):
     assert "step 1 traced the step" in out and "timing: 1 timed steps" in out, out
 
 
+@pytest.mark.parametrize("name", ["train_multi_gpu", "train_pipelined"])
+def test_test_images_of_another_size_than_the_training_images_exit_2_before_any_work(name, tmp_path, capsys):
+    module = example if name == "train_multi_gpu" else pipelined
+    good = _mnist_like()
+    path = _npz(tmp_path / "m.npz", **{**good, "x_test": np.zeros((10, 12, 12), np.float32)})
+    with pytest.raises(SystemExit) as stop:
+        module.load_data(path)
+    assert stop.value.code == 2 and "x_train holds 8x8" in capsys.readouterr().err
+
+
+def test_a_checkpoint_folder_that_cannot_be_made_exits_2_before_any_work(devs, tmp_path, monkeypatch, capsys):
+    (tmp_path / "file").write_text("")
+    monkeypatch.setattr(example, "train", lambda *_a: pytest.fail("trained before refusing --checkpoint"))
+    with pytest.raises(SystemExit) as stop:
+        example.main(["--devices", ",".join(devs[:2]), "--checkpoint", str(tmp_path / "file" / "ckpt")])
+    assert stop.value.code == 2 and "cannot make that folder" in capsys.readouterr().err
+
+
+def test_a_batch_the_default_gpus_do_not_divide_exits_2_and_bn_auto_counts_them(devs, monkeypatch, capsys):
+    # Without --devices or --simulate, parse assumes 2 devices; every GPU of the machine may be 3.
+    monkeypatch.setattr(example, "choose_devices", lambda _args: devs[:3])
+    monkeypatch.setattr(example, "train", lambda *_a: pytest.fail("trained a batch 3 devices do not divide"))
+    with pytest.raises(SystemExit) as stop:
+        example.main(["--batch", "64"])
+    assert stop.value.code == 2 and "multiple of the 3 devices, e.g. 63" in capsys.readouterr().err
+    seen = []
+    monkeypatch.setattr(example, "train", lambda args, *_a: seen.append(args.bn) or {"steps": 0})
+    assert example.main(["--batch", "72"]) == 0 and seen == ["sync"]  # 36 a device on 2, 24 on 3
+
+
+def test_a_checkpoint_of_another_run_or_already_done_exits_2_and_a_new_lr_is_used(devs, tmp_path, monkeypatch, capsys):
+    argv = ["--devices", ",".join(devs[:2]), "--batch", "32", "--epochs", "1", "--checkpoint", str(tmp_path / "c")]
+    assert example.main([*argv, "--steps", "2"]) == 0
+    for extra, message in ((["--precision", "float16"], "does not fit this run"), ([], "already reach the 2 asked")):
+        with pytest.raises(SystemExit) as stop:
+            example.main([*argv, "--steps", "2", *extra])
+        assert stop.value.code == 2 and message in capsys.readouterr().err
+    runs, real = [], example.trainer
+    monkeypatch.setattr(example, "trainer", lambda *a: runs.append(real(*a)) or runs[-1])
+    assert example.main([*argv, "--steps", "3", "--lr", "0.02"]) == 0
+    assert "saved with learning rate 0.001; training on with --lr 0.02" in capsys.readouterr().out
+    assert np.isclose(float(runs[-1].optimizer.learning_rate), 0.02)
+
+
 def _final_weights(argv, monkeypatch):
     runs, real = [], example.trainer
     keras.utils.set_random_seed(0)  # the same initial weights in each run

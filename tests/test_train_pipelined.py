@@ -149,3 +149,10 @@ def test_a_non_finite_difference_fails_the_check(devs, capsys):
     args = example.parse(["--check", "--steps", "1", "--batch", "16", "--micro-batches", "2"])
     assert np.isnan(example.check(args, devs[:2], x, y))
     assert "(not finite: they differ)" in capsys.readouterr().out
+
+
+def test_a_batch_the_devices_do_not_divide_says_why_data_parallelism_is_not_timed(devs, capsys):
+    argv = ["--steps", "1", "--batch", "16", "--micro-batches", "4", "--devices", ",".join(devs[:3])]
+    assert example.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "data parallelism not timed: --batch 16 does not split evenly over 3 devices; give --batch 24" in out, out

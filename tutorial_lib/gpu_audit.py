@@ -60,12 +60,40 @@ def pipeline_report(devices, examples: Path = EXAMPLES):
     return placement.audit(step, xs, ys, owners=owners, run=True)
 
 
+def devices_problem(devices) -> str | None:
+    """What is wrong with --devices for this process: unknown, repeated, or only one; None if nothing."""
+    import tensorflow as tf
+
+    from .devices import normalize
+
+    def canonical(name):
+        try:
+            return normalize(name)
+        except ValueError:
+            return None
+
+    here = [normalize(d.name) for d in tf.config.list_logical_devices()]
+    names = [canonical(d) for d in devices]
+    if unknown := [d for d, name in zip(devices, names, strict=True) if name not in here]:
+        return (f"--devices: no device {', '.join(map(repr, unknown))} here; this machine has {', '.join(here)}: "
+                "name some of those")  # fmt: skip
+    if len(set(names)) < len(names):
+        return f"--devices {','.join(devices)}: a device named twice; name each once"
+    if len(names) < 2:
+        return (
+            f"--devices {devices[0]}: give 2 or more devices; on one, every op is with its owner and nothing is checked"
+        )
+    return None
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tutorial_lib.gpu_audit", description=__doc__.split("\n")[0])
     parser.add_argument("--devices", required=True, help="comma-separated device names, e.g. /GPU:0,/GPU:1")
     parser.add_argument("--json", metavar="PATH", help="write the counts to PATH")
     args = parser.parse_args(argv)
-    devices = args.devices.split(",")
+    devices = [d.strip() for d in args.devices.split(",")]
+    if problem := devices_problem(devices):  # exit 2 before any work: 1 says the audit found a misplaced op
+        parser.error(problem)
     reports = {"sync-BN step": sync_bn_report(devices), "pipelined step": pipeline_report(devices)}
     for name, report in reports.items():
         print(f"{name}: {report}")

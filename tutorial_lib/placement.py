@@ -81,6 +81,10 @@ def audit(step, *args, owners, scopes=None, run: bool = False, **kwargs) -> Repo
     {device: iterable of variables}, and `scopes`, {name scope: device}: by requested devices, or by
     where each op ran (`run=True`)."""
     owner_of = _owner_map(owners)
+    if not callable(step):
+        raise TypeError(f"step is the training step to audit, a function or tf.function, got {type(step).__name__}.")
+    if scopes is not None and not isinstance(scopes, dict):
+        raise TypeError(f"scopes is a dict {{name scope: device}}, e.g. {{'tower_0': '/GPU:0'}}, got {scopes!r}.")
     function = step if hasattr(step, "get_concrete_function") else tf.function(step)
     graph = function.get_concrete_function(*args, **kwargs).graph
     default = normalize("/GPU:0" if any("GPU" in d for d in owner_of.values()) else "/CPU:0")
@@ -89,6 +93,11 @@ def audit(step, *args, owners, scopes=None, run: bool = False, **kwargs) -> Repo
     where = lambda op, beside=None: _where(op, beside, ran, run, default)  # noqa: E731
     scoped = {scope: normalize(device) for scope, device in (scopes or {}).items()}
     report = _check_ops(graph, captured, set(owner_of.values()) | set(scoped.values()), where, scoped)
+    if not captured and not report.ops_checked:  # an empty audit would say ok
+        raise ValueError(
+            "the step reads none of the owners' variables, so no op could be checked: give owners the variables "
+            "the step was built with (its replicas', stages' and optimizers'), not new copies."
+        )
     _check_variables(owners, report)
     return report
 
@@ -99,8 +108,17 @@ def _owner_map(owners) -> dict[int, str]:
         raise TypeError("owners is a dict {device: variables}, e.g. {d: replica.variables for d, replica in ...}.")
     owner_of = {}
     for device, variables in owners.items():
+        if isinstance(variables, tf.Variable | tf.Tensor) or not hasattr(variables, "__iter__"):
+            raise TypeError(f"owners[{device!r}] is a list of variables, e.g. model.variables, "
+                            f"got a {type(variables).__name__}.")  # fmt: skip
         for v in variables:
-            owner_of[id(tf_variable(v).handle)] = normalize(device)
+            if not (isinstance(v, tf.Variable) or isinstance(getattr(v, "value", None), tf.Variable)):
+                raise TypeError(f"owners[{device!r}] holds a {type(v).__name__}, not a variable: give variables, "
+                                "e.g. model.variables.")  # fmt: skip
+            key = id(tf_variable(v).handle)
+            if owner_of.setdefault(key, normalize(device)) != normalize(device):
+                raise ValueError(f"{getattr(v, 'path', v.name)} is given to two owners, {owner_of[key]} and "
+                                 f"{normalize(device)}: a variable lives on one device; name it once.")  # fmt: skip
     return owner_of
 
 

@@ -4,6 +4,9 @@ backwards, what it keeps in memory, how long it idles; `bubble_fraction`.
 
 from __future__ import annotations
 
+import math
+import numbers
+
 from . import checks
 
 # lesson: 05_staging_pipeline
@@ -124,9 +127,10 @@ def interleaved(S, M, v=2):
     forwards on device d, then one forward and one backward. Ops are (kind, m, chunk)."""
     S, M, v = checks.whole_number(S, "S"), checks.whole_number(M, "M"), checks.whole_number(v, "v")
     if M % S:
+        fits = " or M=".join(map(str, sorted({M - M % S or S, M + S - M % S})))  # once each where M < S
         raise ValueError(
             f"interleaving needs M a multiple of S (Megatron-LM runs micro-batches through each chunk in "
-            f"groups of S), got M={M} with S={S}: use M={M - M % S or S} or M={M - M % S + S}."
+            f"groups of S), got M={M} with S={S}: use M={fits}."
         )
     total = M * v
 
@@ -145,9 +149,44 @@ def interleaved(S, M, v=2):
     return orders
 
 
+KINDS = ("F", "B", "W")
+
+
 def _ops(order):
-    """An order's ops as (kind, m, chunk), chunk 0 where none is named."""
-    return [(op[0], op[1], op[2] if len(op) > 2 else 0) for op in order]
+    """An order's ops as (kind, m, chunk), chunk 0 where none is named; refused unless each op is
+    (kind, m) or (kind, m, chunk) with a kind of KINDS and whole numbers m, chunk >= 0."""
+    ops = []
+    for op in order:
+        ok = isinstance(op, tuple | list) and len(op) in (2, 3) and op[0] in KINDS
+        try:
+            ops.append(
+                (
+                    op[0],
+                    checks.whole_number(op[1], "m", 0),
+                    checks.whole_number(op[2] if len(op) > 2 else 0, "chunk", 0),
+                )
+            )
+        except (TypeError, ValueError, IndexError, KeyError):
+            ok = False
+        if not ok:
+            raise ValueError(
+                f"{op!r} is not an op: write (kind, m) or (kind, m, chunk), kind one of {KINDS} (F forward, "
+                "B backward, W weights' gradient), m and chunk whole numbers >= 0."
+            )
+    return ops
+
+
+def _times(**times):
+    """Each op kind's time, refused unless finite and >= 0 (a forward's > 0: a step takes some time)."""
+    for name, t in times.items():
+        if (
+            isinstance(t, bool)
+            or not isinstance(t, numbers.Real)
+            or not 0 <= t < math.inf
+            or name == "t_forward"
+            and not t
+        ):
+            raise ValueError(f"{name} must be a finite time >= 0 (t_forward > 0), got {t!r}: e.g. {name}=1.0.")
 
 
 def _split(orders):
@@ -197,6 +236,11 @@ def simulated_busy_idle(orders, t_forward=1.0, t_input=1.0, t_weight=1.0):
     """Per device, (busy, idle) time of a step in which each op starts as soon as its inputs and
     its device are free. t_* are a whole stage's times, split evenly over its chunks; a B in an
     order without W's is the whole backward, t_input + t_weight."""
+    _times(t_forward=t_forward, t_input=t_input, t_weight=t_weight)
+    if not len(orders):
+        raise ValueError("orders is empty: give one order of ops per device, e.g. zb_h1(S=4, M=8).")
+    if idle := [d for d, order in enumerate(orders) if not len(order)]:
+        raise ValueError(f"device(s) {idle} have no ops: give every device its order, or leave the device out.")
     split, chunks = _split(orders), 1 + max((c for order in orders for *_, c in _ops(order)), default=0)
     S, end, free, busy = len(orders), {}, [0.0] * len(orders), [0.0] * len(orders)
     for d, kind, m, c in unroll_split(orders):

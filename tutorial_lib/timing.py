@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 import os
 import statistics
 import time
@@ -12,6 +13,7 @@ from typing import NamedTuple
 from . import checks
 
 MIN_SAMPLES = 3  # fewer give no spread worth the name: no verdict from them
+MIN_WINDOW = 0.1  # seconds: cores_taken's shortest window, 10 ticks of /proc/stat
 QUIET_BELOW = 0.25  # cores kept busy by other programs: below this a machine counts as quiet
 _clock = time.perf_counter  # module names, so that tests can put fake clocks in
 _cpu_clock = time.process_time  # CPU seconds of this process, all threads together
@@ -135,6 +137,11 @@ def busy_warning(load: float, cores: int) -> str | None:
 def cores_taken(seconds: float = 1.0) -> float | None:
     """How many of this process's cores other programs kept busy over the next `seconds`: the busy
     time of those cores in /proc/stat, less this process's own CPU time. None without /proc/stat."""
+    if isinstance(seconds, bool) or not isinstance(seconds, numbers.Real) or not MIN_WINDOW <= seconds < math.inf:
+        raise ValueError(
+            f"seconds must be a finite number >= {MIN_WINDOW} (/proc/stat counts 10 ms ticks, so a shorter window "
+            f"measures nothing and would say quiet), got {seconds!r}: e.g. cores_taken(1.0)."
+        )
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
     try:
         before = _busy_and_total(cores)
@@ -164,6 +171,9 @@ def _busy_and_total(cores) -> tuple[float, float]:
 
 def machine_state(taken: float | None, cores: int) -> tuple[bool, str]:
     """(busy?, a sentence to print before any timing verdict) from `cores_taken`."""
+    cores = checks.whole_number(cores, "cores")
+    if taken is not None and (isinstance(taken, bool) or not isinstance(taken, numbers.Real) or not taken >= 0):
+        raise ValueError(f"taken is what cores_taken() returns, a number of cores >= 0 or None, got {taken!r}.")
     if taken is None:
         return False, "the machine's load cannot be read here (no /proc/stat): judge the verdicts yourself"
     if round(taken, 2) < QUIET_BELOW:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import itertools
 
-from .. import timing
+from .. import checks, timing
 from .rows import compared, device_model, row, synthetic_batch
 
 LEARNING_RATE = 0.01  # every variant's SGD step: the same update, so only the time differs
@@ -32,6 +32,7 @@ def _per(t: timing.Timing, count: float) -> timing.Timing:
 def weak_scaling(devs, hidden=(256, 256), per_device=(256,), repeats=15, steps_per_call=1) -> list[dict]:
     """The same batch per device on 1..N devices, for each per-device batch of the sweep; each call
     runs `steps_per_call` steps (`in_one_call`), and the times are per step."""
+    checks.whole_number(steps_per_call, "steps_per_call")  # before the sweep prints and builds anything
     rows = []
     for b in per_device:
         print(f"[weak] {b} per device, on 1 to {len(devs)} devices ...", flush=True)
@@ -46,7 +47,7 @@ def in_one_call(step, k: int):
     before wrote."""
     import tensorflow as tf
 
-    if k == 1:
+    if checks.whole_number(k, "k (steps per call)") == 1:  # 0 would run no step and fail inside the tf.function
         return step
     return tf.function(lambda x, y: [step(x, y) for _ in range(k)][-1])
 
@@ -113,6 +114,7 @@ def strong_scaling(devs, hidden=(256, 256), global_batch=512, repeats=15, steps_
 
     from .. import models, towers
 
+    checks.whole_number(steps_per_call, "steps_per_call")
     x, y = synthetic_batch(global_batch)
     variants = {}
     for k in (k for k in range(1, len(devs) + 1) if global_batch % k == 0):
