@@ -442,7 +442,8 @@ def parse(argv):
     p.add_argument("--schedule", choices=SCHEDULES, default="1f1b")
     p.add_argument("--micro-batches", type=int, default=8,
                    help="M, micro-batches per step (must divide --batch); 8: a bubble of 2/10 on 3 stages")  # fmt: skip
-    p.add_argument("--batch", type=int, default=72, help="the global batch: 72 splits into 8 micro-batches and over 2 or 3 devices")
+    p.add_argument("--batch", type=int, default=72,
+                   help="the global batch: 72 splits into 8 micro-batches, and over 2 or 3 devices")  # fmt: skip
     p.add_argument("--steps", type=int, default=100, help="steps to train (with --check: to compare)")
     p.add_argument("--handoff-wait", choices=("auto", "on", "off"), default="auto",
                    help="a stage waits for its output's copy to the next device (auto: on with CPUs only)")  # fmt: skip
