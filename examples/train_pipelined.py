@@ -241,7 +241,7 @@ def expected(S, M):
 
 def data_parallel_step(devices, input_shape):
     """The same model whole on every device (data parallelism), each on its share of the batch, the
-    gradients summed on the first device and sent back, one Adam per replica: a tf.function of (xs, ys)
+    gradients averaged on the first device and sent back, one Adam per replica: a tf.function of (xs, ys)
     as the pipeline's, to time against it on the same devices."""
     replicas, adams = [], []
     for device in devices:
@@ -264,8 +264,10 @@ def data_parallel_step(devices, input_shape):
         for device, replica, adam in zip(devices, replicas, adams, strict=True):
             with tf.device(device):
                 adam.apply([tf.identity(g) for g in summed], replica.trainable_variables)
-        return tf.stack([tf.add_n(losses) / len(devices)])
+        with tf.device(devices[0]):
+            return tf.stack([tf.add_n(losses) / len(devices)])
 
+    step.replicas, step.optimizers = replicas, adams  # for its checks
     return step
 
 

@@ -156,3 +156,31 @@ def test_a_batch_the_devices_do_not_divide_says_why_data_parallelism_is_not_time
     assert example.main(argv) == 0
     out = capsys.readouterr().out
     assert "data parallelism not timed: --batch 16 does not split evenly over 3 devices; give --batch 24" in out, out
+
+
+def test_the_data_parallel_step_it_times_equals_one_device_and_keeps_each_replica_on_its_device(devs, monkeypatch):
+    """Without dropout (its masks differ with the split), two steps on two replicas == Adam on one device."""
+    from tutorial_lib import placement
+
+    def small(devices, input_shape):
+        keras.utils.set_random_seed(0)  # every replica, and the reference, starts from the same weights
+        with tf.device(devices[0]):
+            return [keras.Sequential([keras.Input(input_shape), keras.layers.Flatten(), keras.layers.Dense(10)])]
+
+    monkeypatch.setattr(example, "build_stages", small)
+    step = example.data_parallel_step(devs[:2], (8, 8, 1))
+    [single], adam = small(devs[:1], (8, 8, 1)), keras.optimizers.Adam(1e-3)
+    (x, y), _ = example.load_data("digits")
+    for k in range(2):
+        xs, ys = x[16 * k : 16 * k + 16], y[16 * k : 16 * k + 16]
+        loss = float(step([tf.constant(xs)], [tf.constant(ys)])[0])
+        with tf.GradientTape() as tape:
+            reference = example.mean_cross_entropy(single(xs, training=True), ys)
+        adam.apply(tape.gradient(reference, single.trainable_variables), single.trainable_variables)
+        np.testing.assert_allclose(loss, float(reference), rtol=1e-5)
+    for replica in step.replicas:  # each replica took the same steps
+        for a, b in zip(replica.trainable_variables, single.trainable_variables, strict=True):
+            np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-5, atol=1e-6)
+    owners = {d: [*r.variables, *o.variables] for d, r, o in zip(devs[:2], step.replicas, step.optimizers, strict=True)}
+    report = placement.audit(step, [tf.constant(x[:16])], [tf.constant(y[:16])], owners=owners, run=True)
+    assert report.ok and report.variables_checked > 0, report
