@@ -18,7 +18,10 @@ SENDS = (0.0, 0.05, 0.3, 1.0, 3.0)  # per hop; the last two longer than some W, 
 
 
 def _step(orders, F, B, W, t_send):
-    """The simulated step: the busiest device's busy plus idle time (every device ends together)."""
+    """The simulated step, from the first op's start to the last op's end (busy + idle, the same on
+    every device). The zero-bubble paper's cost is the longest time from one stage's first op to its
+    last; the two agree where stage 0, which starts first, also ends last, as it does in every row of
+    Table 5 (seen with a simulation that kept each stage's start; a long W with sends can break it)."""
     return max(busy + idle for busy, idle in schedules.simulated_busy_idle(orders, F, B, W, t_send=t_send))
 
 
@@ -129,12 +132,13 @@ def test_table_5_1f1b_and_zb_h1_bubble_rates_follow_from_table_9s_times(row):
 
 
 # Table 5's 1F1B-I is not reproduced exactly, and cannot be from what the paper prints: its
-# interleaved runs use "each transformer layer as a chunk" (sec. 5.1) while the first and last
-# stages hold one layer fewer than the others (sec. 5.1), so devices hold unequal numbers of
-# chunks (2 and 3 for the 1.5B model), and the paper does not say how its calculation split T_F,
-# T_B and T_W over them. Our interleaved order needs equal chunks; with v = the layers of a middle
-# stage and Table 9's times it comes out 2-5% above the paper's figure in every row (the paper's
-# lighter end stages idle less), and it puts 1F1B-I on the same side of ZB-H1 as the paper does.
+# interleaved runs take "each transformer layer as a chunk" while the first and last stages hold one
+# layer fewer than the others (both sec. 5.1), so devices hold unequal numbers of chunks (2 and 3
+# for the 1.5B model), and the paper does not say how its calculation spread T_F, T_B and T_W over
+# them. Our interleaved order needs equal chunks; with v = the layers of a middle stage and Table
+# 9's times it comes out 2-5% above the paper's figure in every row (with the two end layers' time
+# set to zero instead, a prototype came out below it: the paper's figure lies between), and it
+# puts 1F1B-I on the same side of ZB-H1 as the paper does.
 @pytest.mark.parametrize("row", PAPER, ids=IDS)
 def test_table_5_1f1b_i_is_bounded_by_equal_chunks_and_sides_with_zb_h1_as_printed(row):
     _, layers, p, m, F, B, W, comm, _, interleaved, zb_h1 = row
