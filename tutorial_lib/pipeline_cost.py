@@ -104,7 +104,8 @@ def _bubble(step, ideal):
 def bubble_rate(step, ideal):
     """The zero-bubble paper's bubble rate, (cost - m (T_F + T_B + T_W)) / cost (arXiv:2401.10241,
     sec. 5.3, Tables 5 and 8): the idle share of the whole step, (S - 1)/(M + S - 1) for GPipe and
-    1F1B without sends. `ideal` is ideal_step(M, F, B, W)."""
+    1F1B without sends. `ideal` is ideal_step(M, F, B, W); `step` the whole step, the paper's cost
+    (the longest time from one stage's first op to its last) where stage 0 also ends last."""
     return _bubble(step, ideal) / step
 
 
