@@ -232,35 +232,45 @@ def unroll_split(orders):
     return plan
 
 
-def simulated_busy_idle(orders, t_forward=1.0, t_input=1.0, t_weight=1.0):
+def simulated_busy_idle(orders, t_forward=1.0, t_input=1.0, t_weight=1.0, *, t_send=0.0):
     """Per device, (busy, idle) time of a step in which each op starts as soon as its inputs and
     its device are free. t_* are a whole stage's times, split evenly over its chunks; a B in an
-    order without W's is the whole backward, t_input + t_weight."""
-    _times(t_forward=t_forward, t_input=t_input, t_weight=t_weight)
+    order without W's is the whole backward, t_input + t_weight. t_send is the time an activation
+    or its gradient takes to reach another device (zero bubble's T_comm, added per hop as in its
+    ILP constraints (4) and (5)); it delays the receiver only, the sender goes on at once."""
+    _times(t_forward=t_forward, t_input=t_input, t_weight=t_weight, t_send=t_send)
     if not len(orders):
         raise ValueError("orders is empty: give one order of ops per device, e.g. zb_h1(S=4, M=8).")
     if idle := [d for d, order in enumerate(orders) if not len(order)]:
         raise ValueError(f"device(s) {idle} have no ops: give every device its order, or leave the device out.")
     split, chunks = _split(orders), 1 + max((c for order in orders for *_, c in _ops(order)), default=0)
     S, end, free, busy = len(orders), {}, [0.0] * len(orders), [0.0] * len(orders)
+    hop = t_send if S > 1 else 0.0  # virtual stages k and k +- 1 are on different devices unless S == 1
+
+    def sent(key):  # when the output of op `key` (on a neighbouring virtual stage) has arrived; 0 if none
+        return end[key] + hop if key in end else 0.0
+
     for d, kind, m, c in unroll_split(orders):
         k = c * S + d
         if kind == "F":
-            ready, took = end.get(("F", m, k - 1), 0.0), t_forward
+            ready, took = sent(("F", m, k - 1)), t_forward
         elif kind == "W":
             ready, took = end["B", m, k], t_weight
         else:
-            ready = max(end["F", m, k], end.get(("B", m, k + 1), 0.0))
+            ready = max(end["F", m, k], sent(("B", m, k + 1)))
             took = t_input if split[d] else t_input + t_weight
         end[kind, m, k] = free[d] = max(free[d], ready) + took / chunks
         busy[d] += took / chunks
     return [(b, max(free) - b) for b in busy]
 
 
-def bubble_rate(orders, t_forward=1.0, t_input=1.0, t_weight=1.0):
-    """The papers' bubble rate: the largest idle time of a device over its busy time, (S-1)/M for
-    1F1B with equal stages, (S-1)/(3M) for ZB-H1 with equal F, B and W, (S-1)/(vM) interleaved."""
-    return max(idle / busy for busy, idle in simulated_busy_idle(orders, t_forward, t_input, t_weight))
+def bubble_rate(orders, t_forward=1.0, t_input=1.0, t_weight=1.0, *, t_send=0.0):
+    """The largest idle time of a device over its busy time: Megatron-LM's bubble time fraction
+    (arXiv:2104.04473, sec. 2.2), (S-1)/M for 1F1B with equal stages, (S-1)/(3M) for ZB-H1 with
+    equal F, B and W, (S-1)/(vM) interleaved. The zero-bubble paper's "bubble rate" (arXiv:2401.10241,
+    sec. 5.3) divides the idle time by the whole step instead: pipeline_cost.bubble_rate."""
+    times = simulated_busy_idle(orders, t_forward, t_input, t_weight, t_send=t_send)
+    return max(idle / busy for busy, idle in times)
 
 
 def stash_split(order):
