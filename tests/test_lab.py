@@ -205,3 +205,92 @@ def test_the_lab_asks_no_news_question_and_checks_no_updates():
     assert overrides["@jupyterlab/apputils-extension:notification"] == {"checkForUpdates": False, "fetchNews": "false"}
     plan = subprocess.run(["make", "-n", "-B", "install"], cwd=ROOT, capture_output=True, text=True).stdout
     assert "tools/lab_overrides.json" in plan and "share/jupyter/lab/settings/overrides.json" in plan
+
+
+# --- the plain route: pip install, then the README's switch for the news pop-up -----------------
+ANNOUNCEMENTS = "@jupyterlab/apputils-extension:announcements"  # the plugin that asks about news (JupyterLab docs)
+
+
+def _news_switch() -> str:
+    """The line both READMEs give on their pip route to turn the news plugin off."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    import student_copies
+
+    lines = {
+        line.strip()
+        for text in ((ROOT / "README.md").read_text(), student_copies.student_readme())
+        for line in text.splitlines()
+        if line.strip().startswith("jupyter labextension disable")
+    }
+    assert len(lines) == 1, f"the two READMEs should give the same switch once each: {lines}"
+    return lines.pop()
+
+
+def _fresh_environment(path: Path) -> Path:
+    """A new virtual environment holding what `pip install -e ".[lab]"` puts there, without the network:
+    this environment's packages (through a .pth file), its jupyter commands (rewritten for the new
+    Python) and JupyterLab's data files, but not the settings `make lab` adds. Returns its bin folder."""
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(path)], check=True, timeout=120)
+    code = "import sys; print(sys.prefix, *__import__('site').getsitepackages(), sep='\\n')"
+    prefix, *site_dirs = subprocess.run(
+        [path / "bin" / "python", "-c", code], capture_output=True, text=True, check=True
+    ).stdout.split()
+    course = "; ".join(f"site.addsitedir({d!r})" for d in __import__("site").getsitepackages())
+    Path(site_dirs[0], "course.pth").write_text(f"import site; {course}\n")
+    here = Path(sys.executable).parent
+    for name in ("jupyter", "jupyter-lab", "jupyter-labextension"):
+        body = (here / name).read_text().split("\n", 1)[1]
+        (path / "bin" / name).write_text(f"#!{path / 'bin' / 'python'}\n{body}")
+        (path / "bin" / name).chmod(0o755)
+    shared = Path(sys.prefix) / "share" / "jupyter"
+    for part in ("lab/static", "lab/schemas", "lab/themes", "labextensions"):
+        (Path(prefix) / "share" / "jupyter" / part).parent.mkdir(parents=True, exist_ok=True)
+        (Path(prefix) / "share" / "jupyter" / part).symlink_to(shared / part)
+    return path / "bin"
+
+
+def _served_page_config(bin_dir: Path, env: dict) -> dict:
+    """The page configuration `jupyter lab notebooks/` serves to the browser (the plugins it turns off)."""
+    port, token = _free_port(), "course-test"
+    args = ["--no-browser", "--ip=127.0.0.1", f"--port={port}", f"--IdentityProvider.token={token}"]
+    args += ["--ServerApp.port_retries=0", *(["--allow-root"] if os.getuid() == 0 else [])]
+    proc = subprocess.Popen(
+        [bin_dir / "jupyter", "lab", "notebooks/", *args],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/lab?token={token}", timeout=5) as reply:
+                    page = reply.read().decode()
+                break
+            except OSError:
+                assert proc.poll() is None, proc.stdout.read().decode()[-3000:]
+                assert time.monotonic() < deadline, "JupyterLab did not answer within 90 s"
+                time.sleep(0.5)
+    finally:
+        _stop(proc)
+    data = page.split('id="jupyter-config-data" type="application/json">', 1)[1].split("</script>", 1)[0]
+    return json.loads(data)
+
+
+@pytest.mark.slow
+def test_the_plain_route_turns_the_news_plugin_off_in_its_own_environment(tmp_path):
+    switch = _news_switch()
+    assert f'"{ANNOUNCEMENTS}"' in switch, switch
+    bin_dir = _fresh_environment(tmp_path / "env")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JUPYTER")}
+    env |= {"PATH": f"{bin_dir}{os.pathsep}{env['PATH']}"}
+    env |= {f"JUPYTER_{k}_DIR": str(tmp_path / k.lower()) for k in ("CONFIG", "DATA", "RUNTIME")}
+    before = _served_page_config(bin_dir, env)
+    assert ANNOUNCEMENTS not in before.get("disabledExtensions", []), "the imitation already had the plugin off"
+    shared = Path(sys.prefix) / "etc" / "jupyter" / "labconfig" / "page_config.json"
+    shared_before = shared.read_bytes() if shared.exists() else None
+    result = subprocess.run(["bash", "-c", switch], env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    after = _served_page_config(bin_dir, env)
+    assert ANNOUNCEMENTS in after["disabledExtensions"], after.get("disabledExtensions")
+    written = json.loads((tmp_path / "env" / "etc" / "jupyter" / "labconfig" / "page_config.json").read_text())
+    assert written["disabledExtensions"] == {ANNOUNCEMENTS: True}, written  # in the environment, not the user's
+    assert (shared.read_bytes() if shared.exists() else None) == shared_before, "it changed another environment"

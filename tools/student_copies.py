@@ -71,10 +71,12 @@ Python 3.10 to 3.13 (TensorFlow has no stable wheels for newer ones yet); no GPU
   python3 -m venv .venv
   source .venv/bin/activate        # Windows: .venv\\Scripts\\activate
   pip install -e ".[lab]"
+  jupyter labextension disable "@jupyterlab/apputils-extension:announcements"
   jupyter lab notebooks/
   ```
 
-  JupyterLab may ask whether it should fetch its news; either answer is fine.
+  The fourth line, once, keeps JupyterLab in this environment from asking whether it should
+  fetch Jupyter's news.
 - **With conda**: `conda env create -f environment.yml`, `conda activate tf-multi-device`,
   then `jupyter lab notebooks/`.
 - **On a shared JupyterHub or JupyterLab**: see *Shared servers* below.
