@@ -78,7 +78,7 @@ Python 3.10 to 3.13 (TensorFlow has no stable wheels for newer ones yet); no GPU
   The fourth line, once, keeps JupyterLab in this environment from asking whether it should
   fetch Jupyter's news.
 - **With conda**: `conda env create -f environment.yml`, `conda activate tf-multi-device`,
-  then `jupyter lab notebooks/`.
+  the `jupyter labextension disable` line above once, then `jupyter lab notebooks/`.
 - **On a shared JupyterHub or JupyterLab**: see *Shared servers* below.
 - **On Colab**: see *Colab* below.
 
