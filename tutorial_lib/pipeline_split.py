@@ -260,13 +260,14 @@ def kept_bytes(pipe, x, y) -> dict[str, int]:
     """{device: the most activation bytes it holds at once during one step of `pipe`} (a
     `SplitPipeline`), read from the step's traced graph along the executed order (`scopes`).
 
-    It counts every floating tensor that a forward op of the step makes (a layer's outputs and
-    intermediates, the copy of a micro-batch that arrives, a recomputed forward) from the F, B or
-    W that makes it to the last one that reads it, both included, and every gradient that one of
-    them leaves to a later one (W's output gradients from B, a gradient on its way to the chunk
-    before). It leaves out weights, optimizer state, the summed weight gradients (one set per
-    device in every schedule), a gradient's temporaries inside one op, and TensorFlow's own
-    buffers; a forward op's intermediates count as if all alive at once. It is not the process's
+    It counts every floating tensor that a forward op of the step makes and that a backward reads
+    or a later op takes (a layer's input and output, the copy of a micro-batch that arrives, a
+    forward recomputed in a backward), from the F, B or W that makes it to the last one that reads
+    it, both included, and every gradient that one of them leaves to a later one (W's output
+    gradients from B, a gradient on its way to the chunk before). It leaves out weights, optimizer
+    state, the summed weight gradients (one set per device in every schedule), the temporaries
+    that one op makes and frees (as a layer's product before its bias), and TensorFlow's own
+    buffers; what one op holds at once is counted whole at that op. It is not the process's
     peak: on a GPU or TPU (it raises on a CPU), `tf.config.experimental.get_memory_info(device)["peak"]`
     gives the bytes TensorFlow used at most since `reset_memory_stats`, all of the above included."""
     where = op_steps(pipe, x, y)
@@ -288,19 +289,21 @@ def kept_bytes(pipe, x, y) -> dict[str, int]:
             continue
         i = where[op.name]
         for t in op.outputs:
-            last = _last_read(t, i, forward(op), where, summing)
+            last = _last_read(t, i, forward(op), where, summing, gradient)
             for j in range(i, i - 1 if last is None else last + 1):
                 held[normalize(op.device)][j] += t.shape.num_elements() * t.dtype.size
     return {d: max(per_step) for d, per_step in held.items()}
 
 
-def _last_read(t, i, forward, where, summing):
+def _last_read(t, i, forward, where, summing, gradient):
     """The index of the last op of the schedule that reads `t` (made by op i), or None if `t` is not
-    counted: not floating or of unknown size, a weight gradient, or a gradient's temporary."""
+    counted: not floating or of unknown size, a weight gradient, or a temporary inside one op."""
     if not t.dtype.is_floating or t.shape.num_elements() is None:
         return None
     readers = t.consumers()
     if not forward and (not readers or all(summing(c) for c in readers)):
         return None  # a weight gradient, or a gradient read by nobody
     last = max([i] + [where[c.name] for c in readers if c.name in where])
-    return None if not forward and last == i else last  # a temporary inside one B or W
+    if last == i and (not forward or not any(gradient(c) for c in readers)):
+        return None  # a gradient's, or a forward's, temporary: freed inside the op that made it
+    return last
