@@ -156,3 +156,12 @@ def test_what_cannot_run_is_refused(devs):
 
     with pytest.raises(TypeError, match="read a SplitPipeline's step"):
         ps.kept_bytes(pipeline.Pipeline(chunks[:2], devs[:2], 4, 0.1), *batch())
+
+
+def test_a_wave_of_two_zb_h1_steps_in_one_call_equals_two_steps_on_one_device(devs):
+    pipe, single = ps.SplitPipeline(ps.make_chunks(layer, 8, devs[:2]), devs[:2], 4, 0.1, "zb_h1"), whole_model()
+    batches = [batch(seed=s) for s in range(2)]
+    losses = pipe.train_steps([x for x, _ in batches], [y for _, y in batches])
+    np.testing.assert_allclose(losses, [float(reference.sgd_step(single, x, y, 0.1)) for x, y in batches], atol=1e-6)
+    for a, b in zip(pipe.variables, single.trainable_variables, strict=True):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), atol=1e-6)
