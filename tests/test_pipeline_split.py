@@ -40,7 +40,7 @@ def optimizer_reference(single, batches, optimizer):
 
 
 @pytest.mark.parametrize("kind, v, recompute", RUNS)
-@pytest.mark.parametrize("rule", ["sgd", "adam"])
+@pytest.mark.parametrize("rule", ["sgd", pytest.param("adam", marks=pytest.mark.slow)])
 def test_every_schedule_and_recomputation_equals_one_device_over_three_steps(devs, kind, v, recompute, rule):
     chunks, single = ps.make_chunks(layer, 8, devs[:2], v), whole_model()
     batches = [batch(seed=s) for s in range(3)]
@@ -78,6 +78,7 @@ def test_a_keras_chunk_with_regularizers_equals_one_device(devs):
         np.testing.assert_allclose(a.numpy(), b.numpy(), atol=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind, v, recompute", [r for r in RUNS if r[0] in ("zb_h1", "interleaved")])
 def test_each_op_and_variable_stays_on_its_chunks_device(devs, kind, v, recompute):
     chunks = ps.make_chunks(layer, 8, devs[:2], v)
