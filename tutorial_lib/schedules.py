@@ -101,6 +101,7 @@ def bubble_fraction(stages: int, micro_batches: int) -> float:
 # micro-batch m flows through stages 0..S-1 of chunk 0, then of chunk 1, and so on.
 
 
+# lesson: 05_staging_pipeline
 def zb_h1(S, M):
     """ZB-H1 (Qi et al., ICLR 2024, arXiv:2401.10241, sec. 2.1): 1F1B's order with each backward
     split into B and W, stage s deferring its first s W's so that every stage holds at most S
