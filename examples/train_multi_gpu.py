@@ -14,6 +14,8 @@ device by tf.data, the gradients summed in buckets, the loss read every few step
     python train_multi_gpu.py --all-reduce ring       # another all-reduce than NCCL (or central)
     python train_multi_gpu.py --check --steps 20      # the same weights as one device?
     python train_multi_gpu.py --precision bfloat16 --bn sync --bucket-mb 1 --checkpoint ckpt --baseline
+    python train_multi_gpu.py --bn local --jit --breakdown            # XLA per replica; where a step's time goes
+    python train_multi_gpu.py --batch 512 --scale-lr linear --warmup 100    # the learning rate of a grown batch
 """
 
 import argparse
