@@ -1017,7 +1017,8 @@ def parse(argv):
     p.add_argument("--batch", type=int, default=128, help="the global batch, a multiple of the device count")
     p.add_argument("--steps", type=int, help="stop after this many steps (with --check: compare so many; 20)")
     p.add_argument("--lr", type=float, default=1e-3,
-                   help="Adam's learning rate (a larger global batch often wants more: scale it, warm up)")  # fmt: skip
+                   help="Adam's learning rate, tuned for --lr-batch (a larger batch often wants more: --scale-lr, "
+                   "--warmup)")  # fmt: skip
     p.add_argument("--scale-lr", choices=tuple(SCALINGS), default="none",
                    help="scale --lr from --lr-batch to --batch: linear (Goyal et al. 2017) or sqrt")  # fmt: skip
     p.add_argument("--lr-batch", type=int, default=128, metavar="B", help="the global batch --lr was tuned for")

@@ -33,16 +33,16 @@ def _function_ops(graph, device):
 
 
 @pytest.mark.parametrize(
-    "extra",
+    "n, extra",
     [
-        ["--bn", "local"],
-        ["--bn", "local", "--bucket-mb", "0.02", "--scale-lr", "linear", "--lr-batch", "12", "--warmup", "2"],
-        ["--bn", "local", "--precision", "float16"],
+        (3, []),
+        (2, ["--bucket-mb", "0.02", "--scale-lr", "linear", "--lr-batch", "12", "--warmup", "2"]),
+        pytest.param(2, ["--precision", "float16"], marks=pytest.mark.slow),  # XLA compiles each replica's call: slow
     ],
 )
-def test_jit_passes_check_against_one_device(devs, extra, capsys):
-    argv = ["--check", "--steps", "3", "--batch", "24", "--devices", ",".join(devs[:3]), "--jit", *extra]
-    assert example.main(argv) == 0
+def test_jit_passes_check_against_one_device(devs, n, extra, capsys):
+    argv = ["--check", "--steps", "3", "--batch", "24", "--devices", ",".join(devs[:n]), "--jit", "--bn", "local"]
+    assert example.main([*argv, *extra]) == 0
     out = capsys.readouterr().out
     assert ", XLA: largest relative difference" in out and "(ok)" in out, out
 
@@ -53,7 +53,8 @@ def test_mirrored_jit_passes_check_and_compiles_one_call_per_replica(devs, monke
     runs, real = [], example.trainer
     monkeypatch.setattr(example, "trainer", lambda *a: runs.append(real(*a)) or runs[-1])
     argv = ["--check", "--steps", "3", "--batch", "32", "--devices", ",".join(devs[:2]), "--bn", "local"]
-    assert example.main([*argv, "--strategy", "mirrored", "--jit"]) == 0
+    warmup = ["--scale-lr", "linear", "--lr-batch", "16", "--warmup", "2"]  # the schedule under the strategy too
+    assert example.main([*argv, "--strategy", "mirrored", "--jit", *warmup]) == 0
     assert "(ok)" in capsys.readouterr().out
     run = runs[-1]
     x, y = example.load_data("digits")[0]
@@ -194,9 +195,10 @@ def test_told_apart_gives_a_difference_beyond_the_spreads_and_none_within():
     assert same["ms"] is None  # no difference at all is not a part of the step
 
 
-def test_breakdown_prints_and_writes_each_part(devs, tmp_path, capsys):
+@pytest.mark.parametrize("jit", [[], ["--jit"]])
+def test_breakdown_prints_and_writes_each_part(devs, tmp_path, capsys, jit):
     path = tmp_path / "m.json"
-    argv = ["--steps", "2", "--batch", "32", "--bn", "local", "--devices", ",".join(devs[:2]), "--breakdown"]
+    argv = ["--steps", "2", "--batch", "32", "--bn", "local", "--devices", ",".join(devs[:2]), "--breakdown", *jit]
     assert example.main([*argv, "--json", str(path)]) == 0
     line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("breakdown"))
     for name in ("step", "input", "all-reduce", "compute", "input alone"):
