@@ -629,7 +629,9 @@ def make_jit_train_step(replicas, devices, optimizers, method="ring", bucket_byt
 
 def mirrored_jit_step(strategy, model, optimizer):
     """mirrored_train_step (notebook 03) with each replica's forward and backward compiled by XLA (`compiled_share`);
-    the example count's all-reduce, the gradients' (inside apply_gradients) and the update stay outside."""
+    the example count's all-reduce, the gradients' (inside apply_gradients) and the update stay outside. (Where every
+    device is a GPU, strategy.run can also compile a whole jit_compile replica step, its all-reduce as XLA's own
+    collective: tensorflow/python/distribute/mirrored_run.py. This form runs on CPUs too.)"""
     share = compiled_share(model, optimizer, strategy.num_replicas_in_sync)
 
     @tf.function
@@ -863,7 +865,8 @@ def breakdown(args, devices, data, rounds=7, steps=5):
     the step fed by the input pipeline; the same step on one batch already on the devices ("no input"); that step
     with no all-reduce at all, of the gradients nor of BN's statistics ("no all-reduce": every replica keeps its own);
     the input pipeline alone. Fresh replicas, so that the trained ones stay as trained. Input = step - no input,
-    all-reduce = no input - no all-reduce, compute = no all-reduce: each from medians, or "not told apart"."""
+    all-reduce = no input - no all-reduce, compute (forward, backward, update) = no all-reduce: from medians, or "not
+    told apart". Each part is what it adds to a step: an all-reduce that overlaps the backward adds (shows) little."""
     (x, y), _ = data
     alone = argparse.Namespace(**{**vars(args), "method": "none"})
     with precision(args.precision):
@@ -1021,7 +1024,8 @@ def parse(argv):
                    "--warmup)")  # fmt: skip
     p.add_argument("--scale-lr", choices=tuple(SCALINGS), default="none",
                    help="scale --lr from --lr-batch to --batch: linear (Goyal et al. 2017) or sqrt")  # fmt: skip
-    p.add_argument("--lr-batch", type=int, default=128, metavar="B", help="the global batch --lr was tuned for")
+    p.add_argument("--lr-batch", type=int, default=128, metavar="B",
+                   help="the global batch --lr was tuned for (%(default)s)")  # fmt: skip
     p.add_argument("--warmup", type=int, default=0, metavar="STEPS",
                    help="grow the learning rate linearly from --lr to the scaled one over STEPS steps (Goyal et "
                    "al.)")  # fmt: skip
@@ -1115,8 +1119,8 @@ SCALINGS = {"none": lambda _: 1.0, "linear": lambda ratio: ratio, "sqrt": lambda
 
 def scaled_lr(args):
     """--lr, tuned for a global batch of --lr-batch, scaled for --batch: linear (Goyal et al. 2017, "when the
-    minibatch size is multiplied by k, multiply the learning rate by k"), sqrt (Krizhevsky 2014; keeps the
-    gradient's noise as it was), or none."""
+    minibatch size is multiplied by k, multiply the learning rate by k"), sqrt (Krizhevsky 2014: keeps the variance
+    of a step as it was), or none."""
     return args.lr * SCALINGS[args.scale_lr](args.batch / args.lr_batch)
 
 
