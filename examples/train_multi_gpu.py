@@ -14,6 +14,8 @@ device by tf.data, the gradients summed in buckets, the loss read every few step
     python train_multi_gpu.py --all-reduce ring       # another all-reduce than NCCL (or central)
     python train_multi_gpu.py --check --steps 20      # the same weights as one device?
     python train_multi_gpu.py --precision bfloat16 --bn sync --bucket-mb 1 --checkpoint ckpt --baseline
+    python train_multi_gpu.py --bn local --jit --breakdown            # XLA per replica; where a step's time goes
+    python train_multi_gpu.py --batch 512 --scale-lr linear --warmup 100    # the learning rate of a grown batch
 """
 
 import argparse
@@ -575,10 +577,72 @@ def make_train_step(replicas, devices, optimizers, method="ring", local_bn=False
         weights = [v.value for replica in replicas for v in replica.trainable_variables]
         flat = tf.gradients(tf.add_n(scaled), weights)
         grads = all_reduce_buckets([flat[i * k : (i + 1) * k] for i in range(n)], devices, method, bucket_bytes)
-        for device, replica, optimizer, g in zip(devices, replicas, optimizers, grads, strict=True):
-            with tf.device(device):
-                optimizer.apply_gradients(zip(g, replica.trainable_variables, strict=True))
+        apply_each(devices, replicas, optimizers, grads)
         return tf.add_n(parts)
+
+    return step
+
+
+def apply_each(devices, replicas, optimizers, grads):
+    """Each replica's optimizer applies its (all-reduced) gradients on the replica's device."""
+    for device, replica, optimizer, g in zip(devices, replicas, optimizers, grads, strict=True):
+        with tf.device(device):
+            optimizer.apply_gradients(zip(g, replica.trainable_variables, strict=True))
+
+
+def compiled_share(model, optimizer, replicas):
+    """--jit: a function of one replica's share (x, y) and the global batch's example count that returns the share's
+    part of the loss and the gradients of that part (scaled by `optimizer`: LossScaleOptimizer for float16), compiled
+    by XLA into ONE call on the device it is called under. Nothing crosses devices inside: batch norm must be local."""
+
+    @tf.function(jit_compile=True)
+    def compute(x, y, examples):
+        with tf.GradientTape() as tape:  # the whole call runs on one device: a tape's placement is right here
+            logits = model(x, training=True)
+            per_example = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits)
+            part = tf.reduce_sum(per_example) / tf.cast(examples, per_example.dtype) + sum(model.losses) / replicas
+            scaled = optimizer.scale_loss(part)
+        return part, tape.gradient(scaled, model.trainable_variables)
+
+    return compute
+
+
+def make_jit_train_step(replicas, devices, optimizers, method="ring", bucket_bytes=0):
+    """make_train_step with local batch norm and each replica's forward and backward compiled by XLA (`compiled_share`,
+    one call per replica on its device); the bucketed all-reduce and the update stay outside, run by TensorFlow."""
+    n = len(devices)
+    shares = [compiled_share(replica, optimizer, n) for replica, optimizer in zip(replicas, optimizers, strict=True)]
+
+    @tf.function
+    def step(xs, ys):
+        parts, grads = [], []
+        for device, share, x, y in zip(devices, shares, xs, ys, strict=True):
+            with tf.device(device):
+                part, g = share(x, y, n * tf.shape(y)[0])  # every share holds as many examples
+            parts.append(part)
+            grads.append(g)
+        apply_each(devices, replicas, optimizers, all_reduce_buckets(grads, devices, method, bucket_bytes))
+        return tf.add_n(parts)
+
+    return step
+
+
+def mirrored_jit_step(strategy, model, optimizer):
+    """mirrored_train_step (notebook 03) with each replica's forward and backward compiled by XLA (`compiled_share`);
+    the example count's all-reduce, the gradients' (inside apply_gradients) and the update stay outside. (Where every
+    device is a GPU, strategy.run can also compile a whole jit_compile replica step, its all-reduce as XLA's own
+    collective: tensorflow/python/distribute/mirrored_run.py. This form runs on CPUs too.)"""
+    share = compiled_share(model, optimizer, strategy.num_replicas_in_sync)
+
+    @tf.function
+    def step(dist_x, dist_y):
+        def replica_step(x, y):
+            examples = tf.distribute.get_replica_context().all_reduce("SUM", tf.cast(tf.shape(y)[0], tf.float32))
+            loss, grads = share(x, y, examples)
+            optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
+            return loss
+
+        return strategy.reduce("SUM", strategy.run(replica_step, args=(dist_x, dist_y)), axis=None)
 
     return step
 
@@ -592,7 +656,7 @@ def trainer(args, devices, input_shape):
     """What a run needs: step (of what inputs yields: returns the batch's loss), inputs(x, y, seed, skip) (an
     epoch's batches from the skip-th on, each replica's share prefetched to its device by tf.data), model (to
     evaluate), optimizer (saved with it), broadcast() (the saved replica's state onto every replica), variables."""
-    adam = lambda: keras.optimizers.Adam(args.lr)  # noqa: E731
+    adam = lambda: keras.optimizers.Adam(learning_rate(args))  # noqa: E731
     scaled = lambda: keras.optimizers.LossScaleOptimizer(adam())  # noqa: E731 (float16's small gradients underflow)
     make_optimizer, n = scaled if args.precision == "float16" else adam, len(devices)
     if args.strategy == "mirrored":
@@ -608,14 +672,19 @@ def trainer(args, devices, input_shape):
                 tf.data.Dataset.from_tensor_slices((x[rows], y[rows])).batch(args.batch).prefetch(2)))  # fmt: skip
 
         copies = [strategy.experimental_local_results(v.value) for v in model.variables]  # one per device
-        return SimpleNamespace(step=mirrored_train_step(strategy, model, optimizer), inputs=inputs, model=model,
+        step = (mirrored_jit_step if args.jit else mirrored_train_step)(strategy, model, optimizer)
+        return SimpleNamespace(step=step, inputs=inputs, model=model,
                                optimizer=optimizer, broadcast=lambda: None,  # a restore sets every copy
                                variables=[list(per_device) for per_device in zip(*copies, strict=True)])  # fmt: skip
     replicas = make_replicas(lambda: make_cnn(input_shape), devices)
     # One Adam per replica, each applied once a step to its replica's weights. ONE Adam applied to the
     # same weights once per tower (the asker's script) takes K steps a step and counts K in its moments.
     optimizers = replica_optimizers(replicas, devices, make_optimizer)
-    step = make_train_step(replicas, devices, optimizers, args.method, args.bn == "local", int(args.bucket_mb * 2**20))
+    bucket_bytes = int(args.bucket_mb * 2**20)
+    if args.jit:
+        step = make_jit_train_step(replicas, devices, optimizers, args.method, bucket_bytes)
+    else:
+        step = make_train_step(replicas, devices, optimizers, args.method, args.bn == "local", bucket_bytes)
 
     def inputs(x, y, seed, skip=0):
         shares, iterators = order(len(x), args.batch, seed)[skip:].reshape(-1, n, args.batch // n), []
@@ -680,12 +749,14 @@ def restore(args, run):
             saved.restore(manager.latest_checkpoint).assert_existing_objects_matched()
         except (AssertionError, ValueError, tf.errors.OpError) as err:  # another model, image size or optimizer
             refuse(f"--checkpoint {args.checkpoint}: {manager.latest_checkpoint} does not fit this run "
-                   f"({type(err).__name__}: {str(err).splitlines()[0][:200]}); it was saved with another --precision "
-                   "or --data image size: give those of the run that saved it, or an empty folder")  # fmt: skip
-        saved_lr = float(run.optimizer.learning_rate)
-        if not np.isclose(saved_lr, args.lr):  # the checkpoint holds Adam's learning rate: --lr wins, said
-            run.optimizer.learning_rate = args.lr
-            print(f"checkpoint: saved with learning rate {saved_lr:g}; training on with --lr {args.lr:g}")
+                   f"({type(err).__name__}: {str(err).splitlines()[0][:200]}); it was saved with another --precision, "
+                   "--data image size, or with a --warmup schedule where this run has none: give those of the run "
+                   "that saved it, or an empty folder")  # fmt: skip
+        lr, saved_lr = learning_rate(args), float(run.optimizer.learning_rate)  # a schedule: at the restored step
+        if isinstance(lr, float) and not np.isclose(saved_lr, lr):  # the checkpoint holds Adam's rate: --lr wins, said
+            run.optimizer.learning_rate = lr
+            scaled = f" scaled to {lr:g}" * (lr != args.lr)
+            print(f"checkpoint: saved with learning rate {saved_lr:g}; training on with --lr {args.lr:g}{scaled}")
         run.broadcast()
         print(f"checkpoint: resumed from {manager.latest_checkpoint}, {int(done)} steps done")
     return manager, int(done)
@@ -714,7 +785,8 @@ def train(args, devices, data):
         )
     writer = tf.summary.create_file_writer(args.logdir) if args.logdir else None
     print(f"{args.strategy}: {len(devices)} replicas of {args.batch // len(devices)} examples on {devices}; "
-          f"all-reduce: {args.method_said}; precision {args.precision}")  # fmt: skip
+          f"all-reduce: {args.method_said}; precision {args.precision}" + "; XLA: each replica's forward and "
+          "backward compiled (--jit)" * args.jit)  # fmt: skip
     metrics, profiling, traced, timed, seconds, waited = {}, False, False, 0, 0.0, 0.0
     for epoch in range(done // per_epoch, args.epochs):
         if done >= total:
@@ -785,6 +857,71 @@ def baseline(args, devices, data, metrics):
     return {"baseline_step_ms": single["step_ms"], "efficiency": efficiency}
 
 
+ALL_SUMS["none"] = lambda tensors, _devices: list(tensors)  # --breakdown's step without all-reduce: each keeps its own
+
+
+def breakdown(args, devices, data, rounds=7, steps=5):
+    """--breakdown: `rounds` rounds, each timing `steps` steps of four variants in turn (the order turned each round):
+    the step fed by the input pipeline; the same step on one batch already on the devices ("no input"); that step
+    with no all-reduce at all, of the gradients nor of BN's statistics ("no all-reduce": every replica keeps its own);
+    the input pipeline alone. Fresh replicas, so that the trained ones stay as trained. Input = step - no input,
+    all-reduce = no input - no all-reduce, compute (forward, backward, update) = no all-reduce: from medians, or "not
+    told apart". Each part is what it adds to a step: an all-reduce that overlaps the backward adds (shows) little."""
+    (x, y), _ = data
+    alone = argparse.Namespace(**{**vars(args), "method": "none"})
+    with precision(args.precision):
+        full, solo = trainer(args, devices, x.shape[1:]), trainer(alone, devices, x.shape[1:])
+    per_epoch, seeds, steps = len(x) // args.batch, itertools.count(1000), min(steps, len(x) // args.batch)
+    feed, left = iter(()), 0
+    batch = next(full.inputs(x, y, seed=999))
+
+    def timed(work):
+        nonlocal feed, left
+        if left < steps:  # a new epoch's pipelines, built (and their first batch fetched) outside the timing
+            feed, left = full.inputs(x, y, seed=next(seeds)), per_epoch
+            feed = itertools.chain([next(feed)], feed)
+        left -= steps
+        start = time.perf_counter()
+        for _ in range(steps):
+            out = work()
+        np.asarray(out[0] if isinstance(out, tuple) else out)  # waits for the last step (or batch)
+        return 1000 * (time.perf_counter() - start) / steps
+
+    variants = {"step": lambda: full.step(*next(feed)), "no input": lambda: full.step(*batch),
+                "no all-reduce": lambda: solo.step(*batch), "input alone": lambda: next(feed)}  # fmt: skip
+    for work in variants.values():
+        timed(work)  # traces the steps, fills the pipeline: not timed
+    samples = {name: [] for name in variants}
+    for r in range(rounds):
+        for name in list(variants)[r % 4 :] + list(variants)[: r % 4]:
+            samples[name].append(timed(variants[name]))
+    parts = {"step": spread(samples["step"]), "input": told_apart(samples["step"], samples["no input"]),
+             "all_reduce": told_apart(samples["no input"], samples["no all-reduce"]),
+             "compute": spread(samples["no all-reduce"]), "input_alone": spread(samples["input alone"])}  # fmt: skip
+    said = [f"{name.replace('all_', 'all-').replace('_', ' ')} {part_said(part)}" for name, part in parts.items()]
+    print(f"breakdown ({rounds} interleaved rounds of {steps} steps a variant; median +- half-IQR): " + ", ".join(said))
+    return {**parts, "rounds": rounds, "steps_a_sample": steps, "samples_ms": samples}
+
+
+def part_said(part):
+    return "not told apart" if part["ms"] is None else f"{part['ms']:.2f} +- {part['spread']:.2f} ms"
+
+
+def spread(samples):
+    """{"ms": the median, "spread": half the interquartile range} of a list of times."""
+    q1, median, q3 = np.percentile(samples, [25, 50, 75])
+    return {"ms": float(median), "spread": float((q3 - q1) / 2)}
+
+
+def told_apart(more, less):
+    """The part of `more`'s time that `less` leaves out: the difference of their medians, with the sum of their
+    half-IQRs as its spread; "ms" None ("not told apart") unless the difference is above that spread (a negative
+    one is noise: leaving work out does not make a step slower)."""
+    a, b = spread(more), spread(less)
+    difference, width = a["ms"] - b["ms"], a["spread"] + b["spread"]
+    return {"ms": difference if difference > width else None, "spread": width, "difference": difference}
+
+
 TOLERANCE = {"float32": 1e-5, "bfloat16": 0.05, "float16": 0.02}  # 16-bit: measured up to 5e-3 and 2e-3
 TOLERANCE_WHY = {
     "float32": "the check runs in float64: only a wrong method differs",
@@ -808,7 +945,7 @@ def compare(args, devices, x, y):
     run, n = trainer(args, devices, x.shape[1:]), len(devices)
     shares = n if args.bn == "local" else 1  # local BN: the reference normalizes each replica's share by itself
     with tf.device(devices[0]):
-        single, adam = make_cnn(x.shape[1:]), keras.optimizers.Adam(args.lr)
+        single, adam = make_cnn(x.shape[1:]), keras.optimizers.Adam(learning_rate(args))
         optimizer = keras.optimizers.LossScaleOptimizer(adam) if args.precision == "float16" else adam
     for v, first in zip(single.variables, run.variables[0], strict=True):
         v.assign(first)  # the same start
@@ -848,7 +985,8 @@ def compare(args, devices, x, y):
             differences.append(np.max(np.abs(np.asarray(a) - b)) / max(np.max(np.abs(b)), scale, 1e-30))
     worst = float(np.max(differences))  # NaN if any is: max(0.0, nan) would be 0.0
     print(f"check: {steps_said(len(compared), args)} of {args.strategy} on {len(devices)} devices against one, "
-          f"all-reduce {args.method}, batch norm {args.bn}, precision {args.precision}: largest relative difference "
+          f"all-reduce {args.method}, batch norm {args.bn}, precision {args.precision}{', XLA' * args.jit}: largest "
+          f"relative difference "
           f"{worst:.2e} ({verdict(worst, TOLERANCE[args.precision])}); tolerance {TOLERANCE[args.precision]:g}: "
           f"{TOLERANCE_WHY[args.precision]}")  # fmt: skip
     return worst
@@ -889,7 +1027,23 @@ def parse(argv):
     p.add_argument("--batch", type=int, default=128, help="the global batch, a multiple of the device count")
     p.add_argument("--steps", type=int, help="stop after this many steps (with --check: compare so many; 20)")
     p.add_argument("--lr", type=float, default=1e-3,
-                   help="Adam's learning rate (a larger global batch often wants more: scale it, warm up)")  # fmt: skip
+                   help="Adam's learning rate, tuned for --lr-batch (a larger batch often wants more: --scale-lr, "
+                   "--warmup)")  # fmt: skip
+    p.add_argument("--scale-lr", choices=tuple(SCALINGS), default="none",
+                   help="scale --lr from --lr-batch to --batch: linear (Goyal et al. 2017) or sqrt")  # fmt: skip
+    p.add_argument("--lr-batch", type=int, default=128, metavar="B",
+                   help="the global batch --lr was tuned for (%(default)s)")  # fmt: skip
+    p.add_argument("--warmup", type=int, default=0, metavar="STEPS",
+                   help="grow the learning rate linearly from --lr to the scaled one over STEPS steps (Goyal et "
+                   "al.)")  # fmt: skip
+    p.add_argument("--jit", action="store_true",
+                   help="compile each replica's forward and backward with XLA: one call per replica on its device; the "
+                   "all-reduce and the update stay outside (NCCL's op has no XLA kernel; a compiled call runs on one "
+                   "device); needs --bn local. Off by default: it compiles at the first step and may be slower on "
+                   "CPUs: measure on your GPUs (--breakdown, --baseline)")  # fmt: skip
+    p.add_argument("--breakdown", action="store_true",
+                   help="after training, time steps with and without input and all-reduce, interleaved: the step split "
+                   "into input, compute and all-reduce where the run tells them apart (replicated route)")  # fmt: skip
     p.add_argument("--log-every", type=int, default=10, metavar="K",
                    help="read the loss every K steps: reading it makes the host wait for the step")  # fmt: skip
     p.add_argument(
@@ -918,6 +1072,13 @@ def parse(argv):
         (not 0 < a.lr < float("inf"), f"--lr {a.lr}: give a positive learning rate, e.g. 1e-3"),
         (not 0 <= a.bucket_mb < float("inf"), f"--bucket-mb {a.bucket_mb}: give 0 MB or more (0: per gradient)"),
         (a.log_every < 1, f"--log-every {a.log_every}: give 1 or more steps"),
+        (a.lr_batch < 1, f"--lr-batch {a.lr_batch}: give the global batch --lr was tuned for, e.g. 128"),
+        (a.warmup < 0, f"--warmup {a.warmup}: give 0 or more steps"),
+        (a.warmup and np.isclose(scaled_lr(a), a.lr), f"--warmup grows the learning rate from --lr to the scaled one, "
+         f"here both {a.lr:g}: give --scale-lr linear or sqrt and a --batch other than --lr-batch, or drop --warmup"),
+        (a.breakdown and a.strategy == "mirrored", "--breakdown times steps without their all-reduce, which "
+         "MirroredStrategy runs inside apply_gradients: give --strategy replicated, or --profile --logdir DIR"),
+        (a.breakdown and a.check, "--breakdown times training and --check trains none: drop one"),
         (a.precision == "float16" and a.strategy == "mirrored", "--precision float16 needs loss scaling, which the "
          "mirrored step (notebook 03's) does not do: give --precision bfloat16, or --strategy replicated"),
         (a.check and a.checkpoint, "--check compares fresh weights and saves none: drop --checkpoint"),
@@ -937,7 +1098,19 @@ def parse(argv):
         p.error(message)
     a.bn_auto = a.bn == "auto"
     a.bn = ("sync" if a.batch // n < SYNC_BELOW else "local") if a.bn_auto else a.bn
+    if problem := jit_problem(a, n):
+        p.error(problem)
     return a
+
+
+def jit_problem(args, n):
+    """Why --jit cannot compile this run, or None: synchronized batch norm all-reduces inside each replica's forward
+    and backward, which one compiled call on one device cannot hold."""
+    if not (args.jit and args.bn == "sync"):
+        return None
+    auto = f" (--bn auto chose sync: {args.batch // n} examples a device, below {SYNC_BELOW})" * args.bn_auto
+    return (f"--jit compiles each replica's forward and backward alone, and synchronized batch norm{auto} all-reduces "
+            "inside them, across devices: give --bn local (a larger --batch for auto), or drop --jit")  # fmt: skip
 
 
 def bn_said(args, n):
@@ -946,6 +1119,34 @@ def bn_said(args, n):
     if args.bn == "sync":
         return f"batch norm: synchronized, the statistics of all {args.batch} examples, all-reduced per layer{why}"
     return f"batch norm: local, each replica its own {share} examples' statistics, no all-reduce{why}"
+
+
+SCALINGS = {"none": lambda _: 1.0, "linear": lambda ratio: ratio, "sqrt": lambda ratio: ratio**0.5}
+
+
+def scaled_lr(args):
+    """--lr, tuned for a global batch of --lr-batch, scaled for --batch: linear (Goyal et al. 2017, "when the
+    minibatch size is multiplied by k, multiply the learning rate by k"), sqrt (Krizhevsky 2014: keeps the variance
+    of a step as it was), or none."""
+    return args.lr * SCALINGS[args.scale_lr](args.batch / args.lr_batch)
+
+
+def learning_rate(args):
+    """Adam's learning rate: scaled_lr, a float; with --warmup W, a schedule of each optimizer's step that starts at
+    --lr and grows linearly to scaled_lr over W steps, then stays (Goyal et al.'s gradual warm-up). Keras' CosineDecay
+    holds that warm-up; alpha=1 makes its decay keep the rate. The schedule reads the optimizer's step count,
+    which a checkpoint saves: a resumed run goes on where it stopped."""
+    if not args.warmup:
+        return scaled_lr(args)
+    return keras.optimizers.schedules.CosineDecay(args.lr, decay_steps=1, alpha=1.0, warmup_target=scaled_lr(args),
+                                                  warmup_steps=args.warmup)  # fmt: skip
+
+
+def lr_said(args):
+    said = {"none": "not scaled", "linear": "scaled linearly", "sqrt": "scaled by the square root of the ratio"}
+    line = f"learning rate: {args.lr:g} tuned for batch {args.lr_batch}, {said[args.scale_lr]}"
+    line += f" to {scaled_lr(args):g}" * (args.scale_lr != "none") + f" for batch {args.batch}"
+    return line + f", warmed up over {args.warmup} steps from {args.lr:g}" * bool(args.warmup)
 
 
 def gradients_said(args, input_shape):
@@ -990,6 +1191,8 @@ def main(argv=None):
     if args.batch % n:
         refuse(f"--batch {args.batch}: give a multiple of the {n} devices, e.g. {max(n, args.batch // n * n)}")
     args.bn = ("sync" if args.batch // n < SYNC_BELOW else "local") if args.bn_auto else args.bn
+    if problem := jit_problem(args, n):
+        refuse(problem)
     if args.batch > len(data[0][0]):  # batches() would give none: nothing trained, nothing compared
         most = len(data[0][0]) // len(devices) * len(devices)
         refuse(f"--batch {args.batch}: the training set holds {len(data[0][0])} images; give --batch {most} or less")
@@ -997,15 +1200,18 @@ def main(argv=None):
     if args.strategy == "mirrored":
         args.method, args.method_said = mirrored_reduce_said(devices, args.method)
     print(bn_said(args, len(devices)))
+    print(lr_said(args))
     print(gradients_said(args, data[0][0].shape[1:]))
     if args.check:
         metrics = {"largest_relative_difference": check(args, devices, data)}
     else:
         metrics = train(args, devices, data)
         metrics.update(baseline(args, devices, data, metrics) if args.baseline else {})
+        metrics.update({"breakdown": breakdown(args, devices, data)} if args.breakdown else {})
     if args.json:
         head = {"devices": devices, "strategy": args.strategy, "all_reduce": args.method, "bn": args.bn,
-                "precision": args.precision}  # fmt: skip
+                "precision": args.precision, "jit": args.jit, "learning_rate": scaled_lr(args),
+                "warmup": args.warmup}  # fmt: skip
         Path(args.json).write_text(json.dumps(json_ready({**head, **metrics})))
     return 0 if metrics.get("largest_relative_difference", 0) <= TOLERANCE[args.precision] else 1  # NaN: 1
 

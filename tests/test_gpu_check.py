@@ -120,18 +120,19 @@ def _fake_examples(tmp_path, mode="ok", difference=1e-9, code=0):
 
 @pytest.mark.parametrize("gpus", [3, 5, 6, 7])
 def test_every_gpu_count_gets_a_batch_it_divides(gpus):
-    for run in gpu_check.file_runs(gpus)[:2]:
+    for run in gpu_check.file_runs(gpus)[:3]:
         batch = int(run.args[run.args.index("--batch") + 1])
         assert batch % gpus == 0 and batch // gpus >= 16, run
 
 
 def test_file_runs_check_every_gpu_and_the_pipeline_on_at_most_three():
     runs = gpu_check.file_runs(4)
-    assert [r.file for r in runs] == ["train_multi_gpu.py"] * 3 + ["train_pipelined.py"] * 3
-    assert all("--check" in r.args and "/GPU:3" in r.args[r.args.index("--devices") + 1] for r in runs[:2])
-    assert "--baseline" in runs[2].args and "/GPU:3" in runs[2].args[runs[2].args.index("--devices") + 1]
-    assert all(r.args[r.args.index("--devices") + 1] == "/GPU:0,/GPU:1,/GPU:2" for r in runs[3:])
-    assert [r.args[-1] for r in runs[4:]] == ["on", "off"] and all(r.args[1] == "20" for r in runs[3:])
+    assert [r.file for r in runs] == ["train_multi_gpu.py"] * 4 + ["train_pipelined.py"] * 3
+    assert all("--check" in r.args and "/GPU:3" in r.args[r.args.index("--devices") + 1] for r in runs[:3])
+    assert runs[2].args[-3:] == ("--jit", "--bn", "local")  # XLA compiles no sync BN: local
+    assert "--baseline" in runs[3].args and "/GPU:3" in runs[3].args[runs[3].args.index("--devices") + 1]
+    assert all(r.args[r.args.index("--devices") + 1] == "/GPU:0,/GPU:1,/GPU:2" for r in runs[4:])
+    assert [r.args[-1] for r in runs[5:]] == ["on", "off"] and all(r.args[1] == "20" for r in runs[4:])
 
 
 @pytest.mark.parametrize("gpus", [0, 1])
@@ -161,7 +162,7 @@ def test_a_file_run_passes_fails_or_errs_as_its_exit_and_json_say(tmp_path, mode
 
 def test_the_timed_run_reports_its_weak_scaling_efficiency(tmp_path):
     (tmp_path / "out").mkdir()
-    run = gpu_check.file_runs(2)[2]
+    run = gpu_check.file_runs(2)[3]
     result, _ = gpu_check.run_file(run, tmp_path / "out", 30, _fake_examples(tmp_path))
     assert result.status == "measured" and result.detail.endswith("weak-scaling efficiency 80%"), result
 
@@ -173,9 +174,10 @@ def test_a_missing_file_is_missing_the_others_still_run_and_the_temporary_folder
     (examples / "train_multi_gpu.py").unlink()
     (tmp_path / "temp").mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "temp"))
+    monkeypatch.setattr(gpu_check, "xla_gpu_problem", lambda _timeout: None)
     results = gpu_check.run_files(2, 30, examples)
     assert list((tmp_path / "temp").iterdir()) == []  # the runs' JSON files went with their folder
-    assert [r.status for r in results] == ["missing"] * 3 + ["pass", "pass", "pass", "measured"]
+    assert [r.status for r in results] == ["missing"] * 4 + ["pass", "pass", "pass", "measured"]
     assert "train_multi_gpu.py is not there" in results[0].detail
     assert results[-1].detail.startswith("on 12.5 ms, off 12.5 ms")
     assert gpu_check.exit_status(results) == 0
@@ -190,6 +192,18 @@ def test_a_file_past_its_deadline_is_stopped_and_nothing_is_left(tmp_path):
     [pid_file] = (tmp_path / "out").glob("*.pid")
     with pytest.raises(ProcessLookupError):
         os.kill(int(pid_file.read_text()), 0)  # the child is gone, not left sleeping
+
+
+@pytest.mark.parametrize("probe", ["import sys; sys.exit('XlaRuntimeError: no XLA compiler for CUDA')", "pass"])
+def test_the_jit_run_is_skipped_with_the_reason_where_xla_cannot_compile_on_the_gpu(tmp_path, monkeypatch, probe):
+    monkeypatch.setattr(gpu_check, "XLA_PROBE", probe)  # the child that compiles a tiny function on /GPU:0
+    results = gpu_check.run_files(2, 30, _fake_examples(tmp_path))
+    [jit] = [r for r in results if r.name.endswith("--jit")]
+    if probe == "pass":
+        assert jit.status == "pass", jit
+    else:
+        assert jit.status == "skip" and jit.detail.endswith("here: XlaRuntimeError: no XLA compiler for CUDA"), jit
+    assert gpu_check.exit_status(results) == 0 and results[-1].status == "measured"  # the others still ran
 
 
 def test_the_handoff_verdict_is_the_ratio_of_the_two_step_times():
