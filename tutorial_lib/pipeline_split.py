@@ -87,6 +87,15 @@ def layers_of(chunk) -> list:
     return list(layers) if layers else [chunk]
 
 
+def handed_off(t, device, wait_for_arrival):
+    """`t` copied to `device` inside the op being built, so that the device's next op waits until it
+    has arrived (`wait_for_arrival`, section 9 of notebook 05); else `t`, copied when it is read."""
+    if not wait_for_arrival:
+        return t
+    with tf.device(device):
+        return tf.identity(t)
+
+
 def split_gradients(chunks, devices, orders, x, y, loss_fn, recompute=False, wait_for_arrival=True, start_after=()):
     """Build one step in the graph being traced: chunk k (on devices[k]) runs its F, B and W ops in
     the orders of `schedules.unroll_split`. Returns (the batch's mean loss, per chunk its weight
@@ -112,10 +121,7 @@ def split_gradients(chunks, devices, orders, x, y, loss_fn, recompute=False, wai
                 kept[k, m] = h if recompute else taped  # recomputation keeps the chunk's input alone
                 losses.append(tf.add_n([t[3] for t in taped]) + (out if k == K - 1 else 0.0))
                 if k < K - 1:
-                    if wait_for_arrival:  # the output moves to the next chunk's device inside this op
-                        with tf.device(devices[k + 1]):
-                            out = tf.identity(out)
-                    inputs[k + 1, m] = out
+                    out = inputs[k + 1, m] = handed_off(out, devices[k + 1], wait_for_arrival)
                 after[d] = [out]
                 continue
             if kind == "B":
@@ -130,8 +136,8 @@ def split_gradients(chunks, devices, orders, x, y, loss_fn, recompute=False, wai
                     g_vars = []
                 else:
                     g_in, g_vars = whole_backward(layers, taped, g, scale, need_input=k > 0)
-                if k:
-                    upstream[k - 1, m] = g_in
+                if k:  # also the gradient moves inside this op: a W run next would otherwise hold it back
+                    g_in = upstream[k - 1, m] = handed_off(g_in, devices[k - 1], wait_for_arrival)
                 after[d] = [g_in] if k else g_vars or [g_outs[0]]
             else:
                 taped, g_outs = waiting.pop((k, m))
