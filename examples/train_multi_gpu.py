@@ -924,7 +924,7 @@ def told_apart(more, less):
 
 TOLERANCE = {"float32": 1e-5, "bfloat16": 0.05, "float16": 0.02}  # 16-bit: measured up to 5e-3 and 2e-3
 TOLERANCE_WHY = {
-    "float32": "the check runs in float64: only a wrong method differs",
+    "float32": "checked in float64, where only a wrong method differs",
     "bfloat16": "bfloat16 keeps 8 significant bits (2^-8 = 0.4%); another split of the batch rounds otherwise, and "
     "Adam turns a rounded gradient near 0 into a step of up to its learning rate (weights against the largest)",
     "float16": "float16 keeps 11 significant bits (2^-11 = 0.05%); another split rounds otherwise, and Adam turns a "
@@ -1055,6 +1055,7 @@ def parse(argv):
                    "they differ")  # fmt: skip
     p.add_argument("--checkpoint", metavar="DIR", help="save replica 0 each epoch; resume from DIR's latest")
     p.add_argument("--baseline", action="store_true", help="and the same steps on one device: the efficiency")
+    p.add_argument("--seed", type=int, default=0, help="seeds the initial weights (keras.utils.set_random_seed)")
     p.add_argument("--json", metavar="PATH", help="write the final metrics to PATH")
     p.add_argument("--logdir", help="TensorBoard scalars here (loss, accuracy, images per second)")
     p.add_argument("--profile", action="store_true", help="and a profiler trace of steps 3 to 5 in --logdir")
@@ -1186,6 +1187,7 @@ def main(argv=None):
             refuse(
                 f"--checkpoint {args.checkpoint}: cannot make that folder ({err.strerror}); give a folder you can write"
             )
+    keras.utils.set_random_seed(args.seed)  # one run's weights, hence its accuracy, again on the same machine
     data, devices = load_data(args.data), choose_devices(args)
     n = len(devices)  # parse assumed --simulate's or 2: every GPU may be more
     if args.batch % n:
