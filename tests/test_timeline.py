@@ -229,6 +229,16 @@ def test_plot_has_a_lane_per_device_and_labelled_axes():
     plt.close(ax.figure)
 
 
+def test_plot_draws_phases_of_ones_own_and_refuses_one_without_a_colour():
+    events = [timeline.Event("/device:CPU:0", "W0/a", "X", 0, 2), timeline.Event("/device:CPU:0", "b", "X", 2, 4)]
+    weights = lambda e: "W" if e.op.startswith("W0/") else e.phase  # noqa: E731
+    ax = timeline.plot(events, phase_of=weights, colors={"W": "tab:red"})
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["forward", "W"]
+    plt.close(ax.figure)
+    with pytest.raises(ValueError, match=r"phases \['W'\] have no colour"):
+        timeline.plot(events, phase_of=weights)
+
+
 def test_bad_input():
     with pytest.raises(ValueError, match="steps"):
         timeline.trace(lambda: tf.constant(1.0), steps=0)

@@ -287,26 +287,31 @@ def mean_busy_devices(events) -> float:
     return sum(busy_fraction(events).values())
 
 
-def plot(events, devices=None, title="Per-device timeline", ax=None, legend=True):
+def plot(events, devices=None, title="Per-device timeline", ax=None, legend=True, phase_of=None, colors=None):
     """Gantt chart: one lane per device (named by `lane_label`), ops coloured by phase, time in
-    milliseconds. `legend=False` for all but one of several charts of one figure."""
+    milliseconds. `legend=False` for all but one of several charts of one figure. `phase_of(event)`
+    and `colors` ({phase: colour}) draw phases of your own, such as zero bubble's W."""
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
     if not events:
         raise ValueError("no events to plot.")
-    devices = _lanes(events, devices)
+    devices, phase_of = _lanes(events, devices), phase_of or (lambda e: e.phase)
+    colors, phases = {**PHASE_COLORS, **(colors or {})}, [phase_of(e) for e in events]
+    if unknown := set(phases) - set(colors):
+        raise ValueError(f"phases {sorted(unknown)} have no colour: give colors={{phase: colour}}.")
     if ax is None:
         _, ax = plt.subplots(figsize=(9, 0.6 * len(devices) + 1.4), layout="constrained")
     for lane, device in enumerate(devices):
-        for phase, color in PHASE_COLORS.items():
-            bars = [(e.start, e.end - e.start) for e in events if e.device == device and e.phase == phase]
+        for phase, color in colors.items():
+            mine = zip(events, phases, strict=True)
+            bars = [(e.start, e.end - e.start) for e, p in mine if e.device == device and p == phase]
             ax.broken_barh(bars, (lane - 0.4, 0.8), color=color)
     ax.set_yticks(range(len(devices)), [lane_label(d) for d in devices])
     ax.invert_yaxis()
     ax.set(xlabel="time (ms)", ylabel="device", title=title)
     if legend:
-        handles = [Patch(color=c, label=p) for p, c in PHASE_COLORS.items() if p in {e.phase for e in events}]
+        handles = [Patch(color=c, label=p) for p, c in colors.items() if p in set(phases)]
         ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1), fontsize="small")
     return ax
 
