@@ -476,16 +476,6 @@ def test_batches_of_alternating_shapes_are_checked_once_each(devs, batch, monkey
 # --- parameter updates with a Keras optimizer, one copy per stage ---------------------------
 
 
-def optimizer_reference(single, batches, optimizer):
-    """A Keras `optimizer` on the whole model on one device: the losses of one step per batch."""
-    losses = []
-    for x, y in batches:
-        loss, grads = reference.loss_and_gradients(single, x, y)
-        optimizer.apply_gradients(zip(grads, single.trainable_variables, strict=True))
-        losses.append(float(loss))
-    return losses
-
-
 @pytest.mark.slow
 def test_adam_per_stage_equals_adam_on_one_device(devs, batch):
     x, y = batch
@@ -494,7 +484,8 @@ def test_adam_per_stage_equals_adam_on_one_device(devs, batch):
     batches = batches_of(x, y, 16)[:3]
     losses = [float(pipe.train_step(*batches[0]))]
     losses += [float(v) for v in pipe.train_steps(*zip(*batches[1:], strict=True))]
-    np.testing.assert_allclose(losses, optimizer_reference(single, batches, keras.optimizers.Adam(1e-3)), atol=1e-5)
+    expected = reference.optimizer_losses(single, batches, keras.optimizers.Adam(1e-3))
+    np.testing.assert_allclose(losses, expected, atol=1e-5)
     for v, w in zip(pipe.variables, single.trainable_variables, strict=True):
         np.testing.assert_allclose(v.numpy(), w.numpy(), atol=1e-5)
     assert [int(o.iterations) for o in pipe.optimizers] == [3, 3, 3]  # one iteration per step, not one per stage
@@ -567,7 +558,7 @@ def test_adamw_keeps_its_weight_decay_exclusions_and_a_stage_may_have_no_weights
     reference_optimizer.exclude_from_weight_decay(var_names=["b"])
     single = models.Sequential(mlp_stages())
     losses = [float(pipe.train_step(x, y)) for _ in range(2)]
-    np.testing.assert_allclose(losses, optimizer_reference(single, [(x, y)] * 2, reference_optimizer), atol=1e-5)
+    np.testing.assert_allclose(losses, reference.optimizer_losses(single, [(x, y)] * 2, reference_optimizer), atol=1e-5)
     for v, w in zip(pipe.variables, single.trainable_variables, strict=True):
         np.testing.assert_allclose(v.numpy(), w.numpy(), atol=1e-5)
     assert [int(o.iterations) for o in pipe.optimizers] == [2, 2, 0, 2]  # the Guard has nothing to update

@@ -30,15 +30,6 @@ def batch(n=8, seed=0):
     return tf.constant(rng.normal(size=(n, 12)).astype(np.float32)), tf.constant(rng.integers(0, 10, n), tf.int32)
 
 
-def optimizer_reference(single, batches, optimizer):
-    losses = []
-    for x, y in batches:
-        loss, grads = reference.loss_and_gradients(single, x, y)
-        optimizer.apply_gradients(zip(grads, single.trainable_variables, strict=True))
-        losses.append(float(loss))
-    return losses
-
-
 @pytest.mark.parametrize("kind, v, recompute", RUNS)
 @pytest.mark.parametrize("rule", ["sgd", pytest.param("adam", marks=pytest.mark.slow)])
 def test_every_schedule_and_recomputation_equals_one_device_over_three_steps(devs, kind, v, recompute, rule):
@@ -50,7 +41,7 @@ def test_every_schedule_and_recomputation_equals_one_device_over_three_steps(dev
     else:
         pipe = ps.SplitPipeline(chunks, devs[:2], 4, schedule=kind, optimizer=keras.optimizers.Adam(1e-3),
                                 recompute=recompute)  # fmt: skip
-        expected = optimizer_reference(single, batches, keras.optimizers.Adam(1e-3))
+        expected = reference.optimizer_losses(single, batches, keras.optimizers.Adam(1e-3))
     losses = [float(pipe.train_step(x, y)) for x, y in batches]
     np.testing.assert_allclose(losses, expected, atol=1e-6)
     for a, b in zip(pipe.variables, single.trainable_variables, strict=True):

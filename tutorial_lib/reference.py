@@ -30,3 +30,14 @@ def sgd_step(model, x, y, learning_rate: float):
 def make_sgd_step(model, learning_rate: float):
     """`sgd_step` as a `tf.function` of (x, y)."""
     return tf.function(lambda x, y: sgd_step(model, x, y, learning_rate))
+
+
+def optimizer_losses(model, batches, optimizer) -> list[float]:
+    """One step of a Keras `optimizer` on `model` per (x, y) of `batches`, on the whole batch: the
+    reference for methods that keep an optimizer per device or stage. Returns each step's loss."""
+    losses = []
+    for x, y in batches:
+        loss, grads = loss_and_gradients(model, x, y)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
+        losses.append(float(loss))
+    return losses
