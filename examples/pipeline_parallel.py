@@ -263,7 +263,7 @@ def staged_step(area, build_step, x_next=None, y_next=None):
     return loss
 
 
-class StagedInput:
+class StagedFeed:
     """Steps fed through a StagingArea on `device`, as tf_cnn_benchmarks fed its towers: `start()` puts the first
     batch of `dataset` (built once, before any timing; batches of one fixed size); each `step()` is ONE tf.function
     call that gets the batch put before, runs `build_step(x, y)` on it and puts the next, which tf.data reads and

@@ -110,7 +110,7 @@ def train(args, run, data):
     per_epoch = len(x) // args.batch
     total = min(args.steps or args.epochs * per_epoch, args.epochs * per_epoch)
     done, timed, seconds, metrics = 0, 0, 0.0, {}
-    feed = pp.StagedInput(batches(x, y, args), run.devices[0], lambda a, b: run.steps.python_function([a], [b])[0])
+    feed = pp.StagedFeed(batches(x, y, args), run.devices[0], lambda a, b: run.steps.python_function([a], [b])[0])
     feed.start()
     try:
         while done < total:
