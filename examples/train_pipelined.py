@@ -14,7 +14,6 @@ API; its public route: tf.data's prefetch_to_device). pipeline_schedules.py hold
 """
 
 import argparse
-import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -212,7 +211,8 @@ def parse(argv):
     problems = [
         (a.devices and a.simulate, "give --devices or --simulate, not both"),
         (a.simulate is not None and not 1 <= a.simulate <= 16, "--simulate: 1 to 16 devices"),
-        (min(a.micro_batches, a.batch, a.epochs, a.steps or 1) < 1, "--micro-batches, --batch, --epochs, --steps >= 1"),
+        (min(a.micro_batches, a.batch, a.epochs, a.steps or 1) < 1 or a.steps == 0, "--micro-batches, --batch, "
+         "--epochs and --steps must be >= 1"),
         (a.chunks < 2 and a.schedule == "interleaved", f"--chunks {a.chunks}: interleaving needs 2 or more a device"),
         (a.batch % max(a.micro_batches, 1), f"--batch {a.batch}: give a multiple of --micro-batches {a.micro_batches}"),
         (not 0 < a.lr < float("inf"), f"--lr {a.lr}: give a positive learning rate, e.g. 1e-3"),
@@ -232,11 +232,12 @@ def main(argv=None):
     data = common.load_data(args.data, smallest=8)  # the CNN pools three times by 2
     devices = common.choose_devices(args.devices, args.simulate, want=3)
     metrics = plan(args, devices, data)
+    program = SimpleNamespace(build=build, batches=batches, one_device_model=one_device_model)  # for the checks
     if args.check:
-        metrics.update(checks.check(args, devices, data, program=sys.modules[__name__]))
+        metrics.update(checks.check(args, devices, data, program))
     else:
         metrics.update(train(args, build(args, devices, data[0][0].shape[1:]), data))
-        metrics.update(checks.baseline(args, devices, data, program=sys.modules[__name__]))  # not on logical CPUs
+        metrics.update(checks.baseline(args, devices, data, program))  # not on logical CPUs: they cannot show speed
     said = {k: vars(args)[k] for k in ("schedule", "micro_batches", "chunks", "recompute", "batch")}
     common.write_json(args.json, {"devices": devices, **said, **metrics})
     return 1 if metrics.get("verdict", "ok") != "ok" else 0
