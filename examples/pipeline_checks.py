@@ -154,7 +154,7 @@ def baseline(args, devices, data, program, rounds=7):
     except tf.errors.ResourceExhaustedError:
         print(f"one device: the whole model does not fit on {devices[0]}: the pipeline's reason to be")
     times = {name: spread(samples) for name, samples in timed(variants, rounds).items()}
-    found = {"step_ms": times["pipelined"][0]}
+    found = {"timed_step_ms": times["pipelined"][0]}
     for other in [name for name in times if name != "pipelined"]:
         ratio, low, high, verdict = speedup(times["pipelined"], times[other])
         found[f"speedup_vs_{other.replace(' ', '_')}"] = ratio

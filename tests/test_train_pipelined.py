@@ -115,7 +115,7 @@ def test_on_devices_that_can_show_speed_it_times_the_naive_split_and_one_device_
     args = example.parse(["--batch", "24", "--schedule", "zb_h1"])
     found = checks.baseline(args, devs[:3], common.load_data("digits", 8), example, rounds=3)
     out = capsys.readouterr().out
-    assert set(found) == {"step_ms", "speedup_vs_naive_split", "speedup_vs_one_device"}, found
+    assert set(found) == {"timed_step_ms", "speedup_vs_naive_split", "speedup_vs_one_device"}, found
     for other in ("naive split", "one device"):
         line = next(line for line in out.splitlines() if line.startswith(f"against {other}:"))
         assert any(word in line for word in ("faster", "slower", "no significant difference")), line

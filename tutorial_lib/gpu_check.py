@@ -7,7 +7,8 @@ reader would, 20 steps each, every one in a child process stopped after `--timeo
 can hang): `examples/train_multi_gpu.py --check` (NCCL all-reduce; then `--strategy mirrored`; then `--jit`,
 each replica's step compiled by XLA, skipped with the reason where XLA cannot compile on the GPUs),
 a timed run of `train_multi_gpu.py --baseline` (the efficiency against one GPU),
-`examples/train_pipelined.py --check` on up to 3 GPUs, the placement audit of both files' steps
+`examples/train_pipelined.py --check` (1F1B, ZB-H1, interleaved) on up to 3 GPUs, the placement audit of both
+files' steps (every pipeline schedule, with and without recomputation)
 (`tutorial_lib.gpu_audit`: where each op ran), and the pipeline's training with the
 hand-off wait on and off, timed. It exits 1 when a run fails, errs or times out. With one GPU it
 runs nothing and says what the files would need; with none, it says so.
@@ -61,13 +62,15 @@ def file_runs(gpus: int) -> list[FileRun]:
     batch 32 per GPU, which any GPU count divides (the file's default, 128, is refused on 3)."""
     every, stages = (",".join(f"/GPU:{i}" for i in range(k)) for k in (gpus, min(gpus, 3)))
     multi = ("--steps", "20", "--devices", every, "--batch", str(32 * gpus), "--check")
-    pipe = ("--steps", "20", "--devices", stages)
+    pipe = ("--steps", "20", "--devices", stages, "--batch", "96")  # M = 6 micro-batches of 16
     runs = [FileRun("train_multi_gpu.py --check", "train_multi_gpu.py", multi)]
     runs += [FileRun(f"{runs[0].name} --strategy mirrored", "train_multi_gpu.py", (*multi, "--strategy", "mirrored"))]
     runs += [FileRun(f"{runs[0].name} --jit", "train_multi_gpu.py", (*multi, "--jit", "--bn", "local"))]
     timed = ("--steps", "60", "--devices", every, "--batch", str(64 * gpus), "--baseline")  # 64 a GPU, as on one
     runs += [FileRun("train_multi_gpu.py timed on every GPU and on one", "train_multi_gpu.py", timed)]
-    runs += [FileRun("train_pipelined.py --check", "train_pipelined.py", (*pipe, "--check"))]
+    for schedule in ("1f1b", "zb_h1", "interleaved"):  # float64 against one GPU; interleaved: 2 chunks a GPU
+        runs += [FileRun(f"train_pipelined.py --check --schedule {schedule}", "train_pipelined.py",
+                         (*pipe, "--check", "--schedule", schedule))]  # fmt: skip
     for wait in ("on", "off"):  # timed; the last two runs, read by handoff_verdict
         runs += [
             FileRun(f"train_pipelined.py --handoff-wait {wait}", "train_pipelined.py", (*pipe, "--handoff-wait", wait))
