@@ -13,8 +13,8 @@ only each chunk's input and reruns its forward in the backward.
 from types import SimpleNamespace
 
 import keras
-import pipeline_schedules as ps
 import tensorflow as tf
+from pipeline_schedules import unroll
 from tensorflow.python.ops import data_flow_ops  # PRIVATE API: StagingArea (public route: prefetch_to_device)
 
 
@@ -190,7 +190,7 @@ def pipelined_gradients(chunks, devices, orders, x, y, loss_fn, recompute=False,
                           kept={}, upstream={}, waiting={}, grads=[[] for _ in chunks], losses=[], added=[],
                           finish=lambda k, m: (lambda h: loss_fn(h, labels[m])) if k == K - 1 else None)  # fmt: skip
     after = [list(start_after) for _ in range(S)]  # what each device's previous op made: its next op waits for it
-    for d, kind, m, c in ps.unroll(orders):
+    for d, kind, m, c in unroll(orders):
         k = c * S + d
         with tf.device(devices[k]), tf.name_scope(f"stage{k}/{kind}{m}"):
             with tf.control_dependencies(after[d]):
