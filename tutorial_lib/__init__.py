@@ -57,14 +57,7 @@ def _forward(read_fd: int, out_fd: int) -> None:
 _FILTER = {}  # the saved descriptor 2 and the forwarding thread, while the filter is on
 
 
-def _filter_stderr()
-
-# The take-away folder's method files (examples/data_parallel.py, examples/pipeline_parallel.py...) are the one
-# copy of the methods that the notebooks teach: the package imports them by their own names, as the take-away's
-# programs do, with the folder at the END of the import path, so that it can shadow nothing installed.
-TAKE_AWAY = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
-if TAKE_AWAY not in sys.path:
-    sys.path.append(TAKE_AWAY) -> None:
+def _filter_stderr() -> None:
     """Put a filtering pipe on file descriptor 2, until stop_filtering_stderr() or the exit."""
     if os.environ.get("TUTORIAL_RAW_STDERR") or _FILTER:
         return
