@@ -161,13 +161,13 @@ def local_moments(x):
 
 # lesson: 04_sync_batchnorm
 def combine_moments(rows):
-    """Chan et al.: M2 = sum M2_i + sum n_i (mean_i - mean)^2. Returns (count, mean, variance)."""
+    """Chan et al.: M2 = sum M2_i + sum n_i (mean_i - mean)^2. Returns (count, mean, variance); zeros for none."""
     c = (rows.shape[-1] - 1) // 2
     counts, means, m2s = rows[:, :1], rows[:, 1 : 1 + c], rows[:, 1 + c :]
     count = tf.reduce_sum(counts)
-    mean = tf.reduce_sum(counts * means, 0) / count
+    mean = tf.math.divide_no_nan(tf.reduce_sum(counts * means, 0), count)
     m2 = tf.reduce_sum(m2s, 0) + tf.reduce_sum(counts * tf.square(means - mean), 0)
-    return count, mean, m2 / count
+    return count, mean, tf.math.divide_no_nan(m2, count)
 
 
 # lesson: 04_sync_batchnorm
@@ -210,7 +210,7 @@ def replicated_forward(replicas, devices, xs, all_sum):
     return hs
 
 
-# lesson: 04_sync_batchnorm
+# lesson: 03_nccl_allreduce
 def replica_gradients(replica, optimizer, replicas, loss_fn=cross_entropy, jit=False):
     """A function of one replica's share (x, y) and the global batch's example count: its part of the loss
     (loss_part) and the gradients of that part, scaled by the optimizer (a LossScaleOptimizer's loss scale; 1 for
@@ -277,7 +277,7 @@ def make_train_step(replicas, devices, optimizers, all_sum, sync_bn=True, bucket
     @tf.function
     def step(iterators, k):
         total = tf.zeros([], tf.float64 if replicas[0].trainable_variables[0].dtype == "float64" else tf.float32)
-        for _ in tf.range(k):
+        for _ in range(k):  # autograph: a tf.while_loop for a tensor k, unrolled for a Python int
             total += tf.cast(one_step(iterators), total.dtype)
         return total / tf.cast(k, total.dtype)
 
@@ -342,7 +342,7 @@ def mirrored_train_step(strategy, model, optimizer, loss_fn=cross_entropy, jit=F
     @tf.function
     def step(iterator, k):
         total = tf.zeros([], tf.float64 if model.trainable_variables[0].dtype == "float64" else tf.float32)
-        for _ in tf.range(k):
+        for _ in range(k):  # autograph: a tf.while_loop for a tensor k, unrolled for a Python int
             total += tf.cast(strategy.reduce("SUM", strategy.run(replica_step, next(iterator)), None), total.dtype)
         return total / tf.cast(k, total.dtype)
 

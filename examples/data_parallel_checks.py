@@ -133,7 +133,7 @@ def plain_step(model, optimizer):
     @tf.function
     def step(iterator, k):
         total = 0.0
-        for _ in tf.range(k):
+        for _ in range(k):  # autograph: a tf.while_loop for a tensor k, unrolled for a Python int
             x, y = next(iterator)
             with tf.GradientTape() as tape:
                 loss = tf.reduce_mean(dp.cross_entropy(y, model(x, training=True))) + sum(model.losses)
