@@ -110,16 +110,23 @@ def loss_part(replica, outputs, y, examples, replicas, loss_fn=cross_entropy):
 
 
 # lesson: 03_nccl_allreduce
+def summed_dtype(g):
+    """What a gradient is summed in: float64 stays float64 (the check), everything else in float32 (a 16-bit
+    sum loses digits, and NCCL's raw op takes no bfloat16)."""
+    return tf.float64 if g.dtype == tf.float64 else tf.float32
+
+
+# lesson: 03_nccl_allreduce
 def bucket_plan(tensors, bucket_bytes):
-    """The indices of `tensors` (None ones left out) in buckets of at most `bucket_bytes` (a larger tensor alone),
-    from the LAST: backprop yields the last layers' gradients first, so the first buckets can be summed while the
-    earlier layers' are computed (Horovod's tensor fusion, PyTorch DDP's buckets). 0: one bucket per tensor."""
+    """The indices of `tensors` (None ones left out) in buckets of at most `bucket_bytes` (a larger tensor alone), one
+    summed_dtype each, from the LAST: backprop yields the last layers' gradients first, so the first buckets can be
+    summed while the earlier layers' are computed (Horovod's tensor fusion, PyTorch DDP's buckets). 0: one each."""
     plan, size = [], 0
     for j in reversed(range(len(tensors))):
         if tensors[j] is None:  # a weight the loss does not use: nothing to sum
             continue
-        nbytes = tensors[j].shape.num_elements() * 4  # summed in float32
-        if plan and size + nbytes <= bucket_bytes:
+        nbytes = tensors[j].shape.num_elements() * summed_dtype(tensors[j]).size
+        if plan and size + nbytes <= bucket_bytes and summed_dtype(tensors[j]) == summed_dtype(tensors[plan[-1][0]]):
             plan[-1].append(j)
             size += nbytes
         else:
@@ -131,14 +138,14 @@ def bucket_plan(tensors, bucket_bytes):
 # lesson: 03_nccl_allreduce
 def all_reduce_gradients(grads, devices, all_sum, bucket_bytes=0):
     """tensorpack's allreduce_grads for K replicas x N gradients, summed: each replica's gradients packed on its
-    device into the buckets of bucket_plan (in float32, whatever the model computes in), one all-reduce per
-    bucket, unpacked on each replica's device. None gradients stay None."""
+    device into the buckets of bucket_plan (16-bit ones in float32), one all-reduce per bucket, unpacked on each
+    replica's device in each gradient's own dtype. None gradients stay None."""
     plan, out = bucket_plan(grads[0], bucket_bytes), [list(g) for g in grads]
     for bucket in plan:
         packed = []
         for g, device in zip(grads, devices, strict=True):
             with tf.device(device):
-                packed.append(tf.concat([tf.reshape(tf.cast(g[j], tf.float32), [-1]) for j in bucket], 0))
+                packed.append(tf.concat([tf.reshape(tf.cast(g[j], summed_dtype(g[j])), [-1]) for j in bucket], 0))
         for replica, vector, device in zip(out, all_sum(packed), devices, strict=True):
             with tf.device(device):
                 pieces = tf.split(vector, [grads[0][j].shape.num_elements() for j in bucket])

@@ -208,7 +208,7 @@ def gradients_said(args, model):
         return "gradients: summed inside MirroredStrategy's apply_gradients"
     weights = model.trainable_variables
     plan = dp.bucket_plan(weights, args.bucket_bytes)
-    sizes = [sum(weights[j].shape.num_elements() * 4 for j in bucket) for bucket in plan]  # summed in float32
+    sizes = [sum(weights[j].shape.num_elements() * dp.summed_dtype(weights[j]).size for j in bucket) for bucket in plan]
     return (
         f"gradients: {len(weights)} tensors, {sum(sizes):,} bytes, in {len(plan)} all-reduce(s) a step "
         f"(--bucket-mb {args.bucket_mb:g}, last layers first); {args.steps_per_call} steps a call"
