@@ -1,14 +1,11 @@
 """Data parallelism by hand: one Keras replica and one optimizer per device, gradients summed by NCCL.
 
-The method that train_multi_gpu.py trains, and the course's one copy of it: notebooks 03 and 04 define
-these functions in their cells (each below a `# lesson:` line here) and the course's tests check that
-they are the same. Every line that makes it multi-device runs under a `tf.device`.
+The method train_multi_gpu.py trains, and the course's one copy of it: notebooks 03 and 04 define these
+functions in their cells (each below a `# lesson:` line here), checked to be the same. Every line that
+makes it multi-device runs under a `tf.device`. In short (train_multi_gpu.py's `build`):
 
-    all_sum = make_all_sum(devices, nccl=True)               # TensorFlow's collective all-reduce
-    replicas = make_replicas(make_model, devices)            # one copy of the model per device
-    optimizers = replica_optimizers(replicas, devices, lambda: keras.optimizers.Adam(1e-3))
-    step = make_train_step(replicas, devices, optimizers, all_sum, sync_bn=True)
-    loss = step(iterators, k)                                # k steps, one share per device each
+    all_sum = make_all_sum(devices, nccl=True)  # replicas = make_replicas(make_model, devices)
+    step = make_train_step(replicas, devices, replica_optimizers(replicas, devices, make_adam), all_sum)
 """
 
 import itertools
@@ -42,6 +39,7 @@ def make_all_sum(devices, nccl, timeout=300.0):
             input=t, group_size=len(devices), group_key=group, instance_key=key, ordering_token=[token.handle],
             merge_op="Add", final_op="Id", communication_hint=hint, timeout_seconds=timeout)  # fmt: skip
 
+    @tf.autograph.experimental.do_not_convert  # no Python control flow here; AutoGraph cannot read the lambda
     def on_device(t, token, key, gradient_key):
         @tf.custom_gradient  # TensorFlow registers no gradient for the op: a sum's is the sum of the gradients
         def summed(x):
@@ -263,7 +261,8 @@ def make_train_step(replicas, devices, optimizers, all_sum, sync_bn=True, bucket
 
     def one_step(iterators):
         xs, ys = zip(*(next(iterator) for iterator in iterators), strict=True)
-        saved = [statistics_before(o, r) for o, r in zip(optimizers, replicas, strict=True)]
+        scaled = isinstance(optimizers[0], keras.optimizers.LossScaleOptimizer)  # float16: it may skip a step
+        saved = [[tf.identity(v) for v in r.non_trainable_variables] if scaled else None for r in replicas]
         if sync_bn:
             parts, grads = synced_gradients(replicas, devices, optimizers, xs, ys, all_sum, loss_fn)
         else:
@@ -288,25 +287,13 @@ def make_train_step(replicas, devices, optimizers, all_sum, sync_bn=True, bucket
             total += tf.cast(one_step(iterators), total.dtype)
         return total / tf.cast(k, total.dtype)
 
-    if sync_bn and jit:
-        raise ValueError("jit compiles each replica's forward and backward alone, on its device, and synchronized "
-                         "batch norm all-reduces inside them: give sync_bn=False, or jit=False")  # fmt: skip
     return step
-
-
-# lesson: 04_sync_batchnorm
-def statistics_before(optimizer, replica):
-    """What keep_statistics_if_skipped puts back: the replica's non-trainable variables (batch norm's moving
-    statistics) read before the forward, where the optimizer may skip a step (float16's loss scaling)."""
-    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-        return [tf.identity(v) for v in replica.non_trainable_variables]
-    return None
 
 
 # lesson: 04_sync_batchnorm
 def keep_statistics_if_skipped(grads, variables, saved):
     """A LossScaleOptimizer (float16) skips a step whose gradients overflowed, but the forward has already moved batch
-    norm's moving statistics (to inf or NaN, for good): put them back (`saved`, from statistics_before), as the
+    norm's moving statistics (to inf or NaN, for good): put them back (`saved`, read before the forward), as the
     skipped step leaves the weights. Nothing to do for other optimizers (saved is None)."""
     if saved is not None:
         finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(g)) for g in grads if g is not None])

@@ -117,6 +117,7 @@ def train(args, run, data, saver):
     per_epoch, done = len(x) // args.batch, saver.done
     total = min(args.steps or args.epochs * per_epoch, args.epochs * per_epoch)
     feed, metrics, timed, seconds, profiling = run.feed(x, y, skip=done), {}, 0, 0.0, False
+    writer = tf.summary.create_file_writer(args.logdir) if args.logdir else None
     while done < total:
         epoch, steps = done // per_epoch, min(per_epoch - done % per_epoch, total - done)
         print(f"epoch {epoch + 1}/{args.epochs}")
@@ -138,6 +139,10 @@ def train(args, run, data, saver):
             "images_per_second": epoch_timed * args.batch / epoch_seconds if epoch_timed else np.nan,
         }
         print("  ".join(f"{k} {v:,.0f}" if "second" in k else f"{k} {v:.3f}" for k, v in metrics.items()))
+        if writer:
+            with writer.as_default(step=epoch):
+                for name, value in metrics.items():
+                    tf.summary.scalar(name, value)
         saver.save(done)
     if profiling:
         tf.profiler.experimental.stop()
