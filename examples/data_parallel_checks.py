@@ -43,7 +43,7 @@ def compare(args, devices, x, y, program):
     shares = n if args.bn == "local" else 1  # local BN: the reference normalizes each replica's share by itself
     with tf.device(devices[0]):
         single, optimizer = program.make_model(x.shape[1:]), cli.optimizer(args)
-    for v, first in zip(single.variables, run.variables[0], strict=True):
+    for v, first in zip(single.weights, run.weights[0], strict=True):
         v.assign(first)  # the same start
     left_out = without_random_layers([*getattr(run, "replicas", [run.model]), single])
     step = reference_step(single, optimizer, shares, devices[0])
@@ -55,7 +55,7 @@ def compare(args, devices, x, y, program):
         expected = np.mean([np.float64(step(*next(reference))) for _ in range(k)])
         differences.append(abs(loss - expected) / abs(expected))
         done += k
-    for i, replica in enumerate(run.variables):
+    for i, replica in enumerate(run.weights):
         for a, b in zip(replica, step.expected(i), strict=True):
             differences.append(np.max(np.abs(np.asarray(a) - b)) / max(np.max(np.abs(b)), 1e-30))
     worst = float(np.max(differences))  # NaN if any is: max(0.0, nan) would be 0.0
@@ -101,9 +101,7 @@ def reference_step(model, optimizer, shares, device):
         return loss
 
     index = {id(v): j for j, v in enumerate(moving)}
-    step.expected = lambda i: [
-        (kept[i % shares][index[id(v)]] if id(v) in index else v).numpy() for v in model.variables
-    ]
+    step.expected = lambda i: [(kept[i % shares][index[id(v)]] if id(v) in index else v).numpy() for v in model.weights]
     return step
 
 
@@ -115,7 +113,7 @@ def first_step(args, devices, x, y, program):
     run = program.build(args, devices, x.shape[1:], make_optimizer=sgd)
     with tf.device(devices[0]):
         single = program.make_model(x.shape[1:])
-    for v, first in zip(single.variables, run.variables[0], strict=True):
+    for v, first in zip(single.weights, run.weights[0], strict=True):
         v.assign(first)
     without_random_layers([*getattr(run, "replicas", [run.model]), single])
     start = [v.numpy() for v in single.trainable_variables]

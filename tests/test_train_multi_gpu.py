@@ -231,7 +231,7 @@ def final_weights(argv, devs, monkeypatch, n=2):
     built, real = [], program.build
     monkeypatch.setattr(program, "build", lambda *a, **k: built.append(real(*a, **k)) or built[-1])
     assert main(argv, devs, n) == 0
-    return [[np.asarray(v) for v in replica] for replica in built[-1].variables]
+    return [[np.asarray(v) for v in replica] for replica in built[-1].weights]
 
 
 @pytest.mark.slow
