@@ -112,25 +112,40 @@ def test_the_tool_copies_a_cells_lines_and_the_load_line_above_it(tmp_path):
 @pytest.mark.parametrize(
     ("cells", "message"),
     [
-        (
-            [('stored_runs.beside("06 a", busy)', ["busy machine: other programs kept 1.1 of 2 cores busy\n"])],
-            "busy run",
-        ),
-        (
-            [
-                ("print(state)", ["busy machine: other programs kept 1.1 of 2 cores busy\n"]),
-                ('stored_runs.beside("06 a", busy)', ["packing: 2.1x\n"]),
-            ],
-            "busy run",
-        ),  # fmt: skip
         ([('stored_runs.beside("06 a", busy)', [])], "no printed lines"),
         ([('stored_runs.beside("05 a", busy)', ["quiet machine: x\n"])], "starts with its notebook's number"),
         ([('stored_runs.beside("06 a", b)\nstored_runs.beside("06 a", b)', ["quiet machine: x\n"])], "used twice"),
     ],
 )
-def test_the_tool_refuses_what_is_no_quiet_reference(tmp_path, cells, message):
+def test_the_tool_refuses_a_malformed_key_or_a_cell_not_run(tmp_path, cells, message):
     with pytest.raises(tool.StoredRunError, match=message):
         tool.extract(_notebook(tmp_path / "06_x.ipynb", cells))
+
+
+BUSY_STATE = "busy machine: other programs kept 1.1 of 2 cores busy\n"
+
+
+@pytest.mark.parametrize(
+    "cells",
+    [
+        [('stored_runs.beside("06 a", busy)', [BUSY_STATE, "a: 0.9x, busy machine\n"])],
+        [("print(state)", [BUSY_STATE]), ('stored_runs.beside("06 a", busy)', ["a: 0.9x\n"])],
+    ],
+)
+def test_a_busy_stored_output_is_no_reference_the_last_quiet_run_is_kept(tmp_path, cells):
+    folder, store = tmp_path / "notebooks", tmp_path / "stored_runs.json"
+    folder.mkdir()
+    path = _notebook(folder / "06_x.ipynb", cells)
+    assert tool.extract(path) == {"06 a": None}
+    with pytest.raises(tool.StoredRunError, match="busy run and no quiet run is stored"):
+        tool.write([path], store)
+    quiet = {"notebook": "06_x", "state": "quiet machine: x", "lines": ["a: 1.5x, faster"], "machine": "m", "date": "d"}
+    store.write_text(json.dumps({"runs": {"06 a": quiet}}))
+    assert tool.write([path], store) == {"06 a": quiet}
+    assert tool.problems(folder, store) == []  # the file holds a quiet run for every cell
+    assert tool.busy_cells(folder) == [
+        f"06_x.ipynb: cell {len(cells) - 1} ('06 a') stored a busy run: re-run 06_x.ipynb on a quiet machine"
+    ]
 
 
 def test_write_dates_only_the_runs_whose_lines_changed_and_check_sees_drift(tmp_path):

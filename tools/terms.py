@@ -4,6 +4,16 @@ to where it is (a "notebook NN" or "section N" in the same sentence).
 
     python tools/terms.py      list the first uses that do neither (exit 1 if any)
 
+Read in course order, as a student meets them: the prose of the markdown cells and what the code
+cells printed (their stored outputs: a timing line's "spread" is met there). A term first met in a
+printed output counts as defined when the markdown cell just above or just below that code cell
+defines it or points to it. Each notebook's first cell may name terms before their meaning (its
+objectives name what the notebook goes on to define), and a definition there counts.
+
+Class covers the core paths only: the sections before a notebook's first deep dive or its
+exercises. A term defined only in a deep dive (homework) is checked again where a later core path
+first uses it, which must then define it or point to it.
+
 tests/test_teaching.py runs it on the course's notebooks.
 """
 
@@ -12,6 +22,7 @@ from __future__ import annotations
 import json
 import re
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -20,17 +31,57 @@ TERMS = (
     "NCCL", "intra-op threads", "ranks", "all-reduce", "reduce-scatter", "all-gather", "latency",
     "micro-batches", "bubble", "1F1B", "GPipe", "replica context", "tf_cnn_benchmarks", "PipeDream",
     "Megatron-LM", "ZeRO", "P_os", "Psi", "oneDNN", "Eigen", "weak scaling", "strong scaling", "DTensor",
+    "spread", "core devices", "logical devices", "soft placement", "naive split", "tower", "controller",
+    "data parallelism", "tensorpack", "collectives", "replica", "broadcast", "PipeDream-Flush", "ZB-H1",
+    "scaling efficiency", "bus bandwidth", "alpha", "packing", "parameter server", "Horovod",
+    "mixed precision", "tensor cores", "chief", "sharding", "optimizer state", "tensor parallelism",
+    "mesh", "verdict", "interquartile range", "hand-off", "recomputation", "XLA",
 )  # fmt: skip
+# Where a term's bare word also has its everyday meaning, the pattern that finds only the term.
+PATTERNS = {
+    "spread": r"(?<![\w-])spreads?(?! over)(?![\w-])",  # "the spread of the timings", not "spread over 2 GPUs"
+    "core devices": r"(?<![\w-])[Cc]ore devices?(?![\w-])",
+    "logical devices": r"(?<![\w-])[Ll]ogical (?:devices?|CPUs?|GPUs?)(?![\w-])",
+    "tower": r"(?<![\w-])[Tt]owers?(?![\w-])",
+    "replica": r"(?<![\w-])[Rr]eplicas?(?![\w-])",
+    "collectives": r"(?<![\w-])[Cc]ollectives?(?![\w-])(?! ?(?:all-reduce|ops?\b|keys?\b))",
+    "packing": r"(?<![\w-])(?:gradient )?packing(?![\w-])",
+    "mesh": r"(?<![\w-])[Mm]esh(?:es)?(?![\w-])",
+    "verdict": r"(?<![\w-])[Vv]erdicts?(?![\w-])",
+    "alpha": r"(?<![\w-])alpha(?![\w-])",
+    "hand-off": r"(?<![\w-])[Hh]and-offs?(?![\w-])",
+    "chief": r"(?<![\w-])chief(?![\w-])",
+}
 POINTER = re.compile(r"\bnotebook \d\d\b|\bsection \d+\b|\(notebook|\(section|\]\(\d\d_\w+\.ipynb\)", re.IGNORECASE)
+CORE_ENDS = re.compile(r"^## (?:.*\(deep dive\)|Exercises)\s*$", re.MULTILINE)
+
+
+@dataclass(frozen=True)
+class Cell:
+    notebook: str
+    index: int
+    kind: str  # "head" (the notebook's first cell), "markdown" or "output" (what a code cell printed)
+    text: str
+    core: bool  # before the notebook's first deep dive and its exercises
+
+
+def course_cells(folder: Path = ROOT / "notebooks"):
+    """Every cell a student reads, in course order: markdown as written, code cells as what they printed."""
+    for path in sorted(folder.glob("*.ipynb")):
+        core = True
+        for i, cell in enumerate(json.loads(path.read_text())["cells"]):
+            text = "".join(cell.get("source", []))
+            if cell.get("cell_type") == "markdown":
+                core = core and not CORE_ENDS.search(text)
+                yield Cell(path.stem, i, "head" if i == 0 else "markdown", text, core)
+            elif cell.get("cell_type") == "code":
+                printed = "".join("".join(o.get("text", "")) for o in cell.get("outputs", []) if o.get("name") == "stdout")
+                yield Cell(path.stem, i, "output", printed, core)
 
 
 def markdown_cells(folder: Path = ROOT / "notebooks"):
-    """(notebook name, markdown text) of every markdown cell but each notebook's first, in course order:
-    the first cell's objectives name what the notebook goes on to define."""
-    for path in sorted(folder.glob("*.ipynb")):
-        for cell in json.loads(path.read_text())["cells"][1:]:
-            if cell.get("cell_type") == "markdown":
-                yield path.stem, "".join(cell.get("source", []))
+    """(notebook name, markdown text) of every markdown cell but each notebook's first, in course order."""
+    return ((c.notebook, c.text) for c in course_cells(folder) if c.kind == "markdown")
 
 
 def sentence_around(text: str, start: int, end: int) -> str:
@@ -40,22 +91,65 @@ def sentence_around(text: str, start: int, end: int) -> str:
     return text[left + 1 : right]
 
 
+def find(term: str, text: str) -> re.Match | None:
+    """The first use of `term` in `text`; a sentence may capitalize it (NCCL and ZeRO keep their case)."""
+    if term in PATTERNS:
+        return re.search(PATTERNS[term], text)
+    first = f"(?i:{re.escape(term[0])})"
+    return re.search(rf"(?<![\w-]){first}{re.escape(term[1:])}(?![\w-])", text)
+
+
+def defines(term: str, text: str) -> bool:
+    """Whether the sentence of `text` that first uses `term` defines it (in italics) or points to it."""
+    match = find(term, text)
+    if not match:
+        return False
+    sentence = sentence_around(text, match.start(), match.end())
+    italic = re.search(rf"\*{PATTERNS.get(term, re.escape(term))}\*", sentence, re.IGNORECASE)
+    return bool(italic or POINTER.search(sentence))
+
+
+def _around(cells: list[Cell], pos: int) -> list[Cell]:
+    """The markdown cells just above and just below cells[pos], in the same notebook."""
+    found = []
+    for step in (-1, 1):
+        i = pos + step
+        while 0 <= i < len(cells) and cells[i].notebook == cells[pos].notebook and cells[i].kind == "output":
+            i += step
+        if 0 <= i < len(cells) and cells[i].notebook == cells[pos].notebook:
+            found.append(cells[i])
+    return found
+
+
+def _problem(cell: Cell, term: str, known_elsewhere: bool) -> str:
+    match = find(term, cell.text)
+    where = "printed" if cell.kind == "output" else "prose"
+    said = " ".join(sentence_around(cell.text, match.start(), match.end()).split())[:140]
+    note = " (defined before only in a deep dive, not read in class)" if known_elsewhere else ""
+    return f"{cell.notebook}: {term}: cell {cell.index} ({where}){note}: {said}"
+
+
 def undefined_first_uses(folder: Path = ROOT / "notebooks") -> list[str]:
-    """'notebook: term: sentence' for each term whose first use is neither a definition nor a pointer."""
-    found, problems = set(), []
-    for name, text in markdown_cells(folder):
+    """'notebook: term: cell N (...): sentence' for each first use that is neither a definition nor a pointer:
+    the first use in the course, and the first use on a core path where only a deep dive defined it."""
+    cells = list(course_cells(folder))
+    known = {"core": set(), "any": set()}
+    problems = []
+    for pos, cell in enumerate(cells):
         for term in TERMS:
-            if term in found:
+            if term in known["core" if cell.core else "any"] or not find(term, cell.text):
                 continue
-            first = f"(?i:{re.escape(term[0])})"  # a sentence may capitalize it; NCCL and ZeRO keep their case
-            match = re.search(rf"(?<![\w-]){first}{re.escape(term[1:])}(?![\w-])", text)
-            if not match:
-                continue
-            found.add(term)
-            sentence = sentence_around(text, match.start(), match.end())
-            italic = re.search(rf"\*{re.escape(term)}\*", sentence, re.IGNORECASE)
-            if not italic and not POINTER.search(sentence):
-                problems.append(f"{name}: {term}: {' '.join(sentence.split())[:160]}")
+            if cell.kind == "output":
+                ok = any(defines(term, c.text) for c in _around(cells, pos))
+            else:
+                ok = defines(term, cell.text)
+            if cell.kind == "head" and not ok:
+                continue  # the objectives may name it: the notebook goes on to define it
+            if not ok:
+                problems.append(_problem(cell, term, term in known["any"]))
+            known["any"].add(term)
+            if cell.core:
+                known["core"].add(term)
     return problems
 
 
@@ -63,7 +157,7 @@ def main() -> int:
     problems = undefined_first_uses()
     for line in problems:
         print(line)
-    print(f"{len(problems)} term(s) used before their meaning")
+    print(f"{len(problems)} term(s) used before their meaning, of {len(TERMS)} checked")
     return 1 if problems else 0
 
 
