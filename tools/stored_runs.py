@@ -164,7 +164,8 @@ def main(argv=None) -> int:
         except StoredRunError as err:
             sys.exit(f"stored_runs: {err}")
         print(f"stored_runs: {len(runs)} stored run(s) in {STORE.relative_to(ROOT)}")
-        print("\n".join(f"stored_runs: {line} (its last quiet run is kept)" for line in busy_cells()))
+        for line in busy_cells():
+            print(f"stored_runs: {line} (its last quiet run is kept)")
         return 0
     found, busy = problems(), busy_cells()
     print("\n".join(found + [f"{len(found)} disagreement(s) between {STORE.name} and the notebooks"]))
