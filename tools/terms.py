@@ -22,8 +22,8 @@ from __future__ import annotations
 import json
 import re
 import sys
-from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 ROOT = Path(__file__).resolve().parents[1]
 # The course's words that a newcomer may not know, in the form the prose uses.
@@ -35,7 +35,9 @@ TERMS = (
     "data parallelism", "tensorpack", "collectives", "replica", "broadcast", "PipeDream-Flush", "ZB-H1",
     "scaling efficiency", "bus bandwidth", "alpha", "packing", "parameter server", "Horovod",
     "mixed precision", "tensor cores", "chief", "sharding", "optimizer state", "tensor parallelism",
-    "mesh", "verdict", "interquartile range", "hand-off", "recomputation", "XLA",
+    "mesh", "verdict", "hand-off", "recomputation", "XLA", "wave", "chunks", "bubble rate", "fusion", "buckets",
+    "NVLink", "PCIe", "InfiniBand", "global batch", "synchronized batch norm", "executor", "loss scaling",
+    "two-level",
 )  # fmt: skip
 # Where a term's bare word also has its everyday meaning, the pattern that finds only the term.
 PATTERNS = {
@@ -43,7 +45,7 @@ PATTERNS = {
     "core devices": r"(?<![\w-])[Cc]ore devices?(?![\w-])",
     "logical devices": r"(?<![\w-])[Ll]ogical (?:devices?|CPUs?|GPUs?)(?![\w-])",
     "tower": r"(?<![\w-])[Tt]owers?(?![\w-])",
-    "replica": r"(?<![\w-])[Rr]eplicas?(?![\w-])",
+    "replica": r"(?<![\w-])[Rr]eplicas?(?![\w:-])(?! \d)",  # not the part of a device name, "replica 0"
     "collectives": r"(?<![\w-])[Cc]ollectives?(?![\w-])(?! ?(?:all-reduce|ops?\b|keys?\b))",
     "packing": r"(?<![\w-])(?:gradient )?packing(?![\w-])",
     "mesh": r"(?<![\w-])[Mm]esh(?:es)?(?![\w-])",
@@ -56,8 +58,7 @@ POINTER = re.compile(r"\bnotebook \d\d\b|\bsection \d+\b|\(notebook|\(section|\]
 CORE_ENDS = re.compile(r"^## (?:.*\(deep dive\)|Exercises)\s*$", re.MULTILINE)
 
 
-@dataclass(frozen=True)
-class Cell:
+class Cell(NamedTuple):
     notebook: str
     index: int
     kind: str  # "head" (the notebook's first cell), "markdown" or "output" (what a code cell printed)
@@ -72,10 +73,15 @@ def course_cells(folder: Path = ROOT / "notebooks"):
         for i, cell in enumerate(json.loads(path.read_text())["cells"]):
             text = "".join(cell.get("source", []))
             if cell.get("cell_type") == "markdown":
-                core = core and not CORE_ENDS.search(text)
+                end = CORE_ENDS.search(text) if core else None
+                if end:  # the core path ends at this heading: the prose above it is still read in class
+                    yield Cell(path.stem, i, "head" if i == 0 else "markdown", text[: end.start()], True)
+                    text, core = text[end.start() :], False
                 yield Cell(path.stem, i, "head" if i == 0 else "markdown", text, core)
             elif cell.get("cell_type") == "code":
-                printed = "".join("".join(o.get("text", "")) for o in cell.get("outputs", []) if o.get("name") == "stdout")
+                printed = "".join(
+                    "".join(o.get("text", "")) for o in cell.get("outputs", []) if o.get("name") == "stdout"
+                )
                 yield Cell(path.stem, i, "output", printed, core)
 
 
@@ -84,26 +90,40 @@ def markdown_cells(folder: Path = ROOT / "notebooks"):
     return ((c.notebook, c.text) for c in course_cells(folder) if c.kind == "markdown")
 
 
+# Where a sentence ends: a full stop, a blank line, or the start of a list item (items are sentences of their own).
+SENTENCE_END = re.compile(r"\. |\n\n|\n\s*(?:[-*]|\d+\.) ")
+
+
 def sentence_around(text: str, start: int, end: int) -> str:
     """The sentence of `text` that holds text[start:end]."""
-    left = max(text.rfind(". ", 0, start), text.rfind("\n\n", 0, start))
-    right = min((i for i in (text.find(". ", end), text.find("\n\n", end)) if i != -1), default=len(text))
-    return text[left + 1 : right]
+    left = max((m.end() for m in SENTENCE_END.finditer(text, 0, start)), default=0)
+    right = next((m.start() for m in SENTENCE_END.finditer(text, end)), len(text))
+    return text[left:right]
+
+
+CODE_SPAN = re.compile(r"`[^`\n]*`")
 
 
 def find(term: str, text: str) -> re.Match | None:
-    """The first use of `term` in `text`; a sentence may capitalize it (NCCL and ZeRO keep their case)."""
+    """The first use of `term` in the prose of `text`, outside `code` (a name such as `/job:x/replica:0` is
+    no use of the word); a sentence may capitalize it (NCCL and ZeRO keep their case)."""
+    prose = CODE_SPAN.sub(lambda m: " " * len(m.group()), text)  # the same positions, without the code
     if term in PATTERNS:
-        return re.search(PATTERNS[term], text)
+        return re.search(PATTERNS[term], prose)
     first = f"(?i:{re.escape(term[0])})"
-    return re.search(rf"(?<![\w-]){first}{re.escape(term[1:])}(?![\w-])", text)
+    return re.search(rf"(?<![\w-]){first}{re.escape(term[1:])}(?![\w-])", prose)
 
 
 def defines(term: str, text: str) -> bool:
-    """Whether the sentence of `text` that first uses `term` defines it (in italics) or points to it."""
+    """Whether the sentence of `text` that first uses `term` defines it (in italics) or points to it. A
+    section's heading may name the term that its section defines: then the rest of the cell must."""
     match = find(term, text)
     if not match:
         return False
+    line_start = text.rfind("\n", 0, match.start()) + 1
+    if text.startswith("#", line_start):
+        rest = text[text.find("\n", match.end()) + 1 :] if "\n" in text[match.end() :] else ""
+        return defines(term, rest)
     sentence = sentence_around(text, match.start(), match.end())
     italic = re.search(rf"\*{PATTERNS.get(term, re.escape(term))}\*", sentence, re.IGNORECASE)
     return bool(italic or POINTER.search(sentence))
