@@ -34,18 +34,27 @@ def store(tmp_path):
 
 
 def test_a_busy_run_gets_the_stored_run_labelled_with_its_machine_date_and_verdict(store, capsys):
-    assert stored_runs.beside("06 packing", True, store) is True
+    assert stored_runs.beside("06 packing", True, store) is None  # a cell that ends with it shows no value
     shown = capsys.readouterr().out
     assert "the course's stored run of this cell, NOT yours: 06_scaling, measured on a quiet machine" in shown
     assert "machine: AMD EPYC, 2 cores, TensorFlow 2.21.0; date: 2026-12-06" in shown
     assert "load then: quiet machine: other programs kept 0.02 of 2 cores busy" in shown
+    assert shown.count("0.02 of 2 cores") == 1
     assert "    | packing: 2.1x [1.7, 2.8], faster" in shown  # the verdict, marked as the stored run's
     assert "run this cell again when nothing else runs" in shown and "in turns" in shown
     assert "course's web site" in shown
 
 
+def test_a_load_line_that_is_one_of_the_stored_lines_is_said_once(tmp_path, capsys):
+    state = "cores free for this notebook: 1.8 of 2 -> quiet enough to measure"
+    run = {**RUN, "notebook": "00_devices", "state": state, "lines": [state, "2 device(s): throughput 1.86x"]}
+    (tmp_path / "s.json").write_text(json.dumps({"runs": {"00 throughput": run}}))
+    stored_runs.beside("00 throughput", True, tmp_path / "s.json")
+    assert capsys.readouterr().out.count("1.8 of 2") == 1
+
+
 def test_a_quiet_run_prints_nothing_beside_its_own_verdicts(store, capsys):
-    assert stored_runs.beside("06 packing", False, store) is False
+    stored_runs.beside("06 packing", False, store)
     assert capsys.readouterr().out == ""
 
 

@@ -44,17 +44,19 @@ def describe(key: str, run: dict | None) -> str:
         return (
             f"{NO_VERDICT} No stored run of this cell ({key!r}) is at hand here to set beside yours. {HOW_TO_MEASURE}"
         )
+    load = "" if run["state"] in run["lines"] else f"; load then: {run['state']}"  # said once
     head = [
         f"--- the course's stored run of this cell, NOT yours: {run['notebook']}, measured on a quiet machine ---",
-        f"machine: {run['machine']}; date: {run['date']}; load then: {run['state']}",
+        f"machine: {run['machine']}; date: {run['date']}{load}",
     ]
     tail = ["--- end of the stored run ---", f"{NO_VERDICT} {HOW_TO_MEASURE}"]
     return "\n".join(head + [INDENT + line for line in run["lines"]] + tail)
 
 
-def beside(key: str, busy: bool, store: Path | str | None = None) -> bool:
+def beside(key: str, busy: bool, store: Path | str | None = None) -> None:
     """Print the stored quiet run of the timing cell `key` when `busy` (the machine was busy while this
-    run measured, so it draws no verdict); print nothing otherwise. Returns whether it printed."""
+    run measured, so it draws no verdict); print nothing otherwise. Returns nothing, so that a cell that
+    ends with it shows no value."""
     if not isinstance(key, str) or not key.strip():
         raise ValueError(f"key names the timing cell, e.g. '05 pipelines against the naive split'; got {key!r}.")
     if busy not in (True, False):  # also refuses machine_state's whole (busy, sentence) pair
@@ -62,7 +64,5 @@ def beside(key: str, busy: bool, store: Path | str | None = None) -> bool:
             f"busy must be True or False (the first item of timing.machine_state(...)), got {busy!r}: "
             "e.g. busy, said = timing.machine_state(timing.cores_taken(), cores), then beside(key, busy)."
         )
-    if not busy:
-        return False
-    print(describe(key, load(STORE if store is None else store).get(key)))
-    return True
+    if busy:
+        print(describe(key, load(STORE if store is None else store).get(key)))
