@@ -108,25 +108,27 @@ def test_the_correct_data_parallel_step_has_every_op_with_its_owner(devs, run):
     _, report = _audit_slip(devs, run, None)
     assert report.ok and report.ops_checked > 150 and not report.unresolved, report
     if run:  # the runtime removed and fused some: each placed by other evidence, and said how
-        assert report.how["ran"] > 100 and report.how["requested"] and report.how["fused"], report.how
+        assert report.how["ran"] > 100 and report.how["requested"] > 20, report.how
         assert report.how["default device"] == 1, report.how  # the sum that tf.gradients differentiates
 
 
 @pytest.mark.parametrize("run", [False, True])
 def test_a_replica_called_outside_its_device_with_noise_from_device_0_is_found(devs, run):
-    # Today's audit let each op run where any input's owner is: noise from device 0's seed state made
-    # replica 1's convolutions "device 0's or device 1's", and it said 0 misplaced, traced and run.
+    # Issue 49: an audit that lets an op run where any of its inputs' owners is read noise from device 0's
+    # seed state as making replica 1's convolutions "device 0's or device 1's": 0 misplaced, traced and run.
     devices, report = _audit_slip(devs, run, "outside")
     counts = report.counts()
     for op_type in ("Conv2D", "Conv2DBackpropFilter", "BiasAddGrad"):  # replica 1's two convolutions
         assert counts[(op_type, devices[0], devices[1])] >= 2, report  # and the dense layer's BiasAddGrad
     assert counts[("MatMul", devices[0], devices[1])] == 3, report  # the dense layer forward and backward
     assert all(m.owner == devices[1] and m.device == devices[0] for m in report.misplaced), report
+    if run:  # replica 1's convolutions asked for no device: the run shows them in the fused kernels on device 0
+        assert report.how["fused"], report.how
 
 
 @pytest.mark.parametrize("run", [False, True])
 def test_replica_1s_summed_gradients_unpacked_on_device_0_are_found(devs, run):
-    # Issue 51: the runtime removes the unpacking ops, and today's run-mode audit skipped them: 0 misplaced.
+    # Issue 51: the runtime removes the unpacking ops; an audit that skipped ops missing from the run said 0.
     devices, report = _audit_slip(devs, run, "unpack")
     weights = 6  # two kernels and two biases per convolution and the dense layer: 3 x 2
     assert report.counts() == {("SplitV", devices[0], devices[1]): 1, ("Reshape", devices[0], devices[1]): weights}
@@ -168,7 +170,7 @@ def _penalty_step(replica, optimizer, devices, body, pinned):
 @pytest.mark.parametrize("run", [False, True])
 @pytest.mark.parametrize("body", ["inline", "helper", "jit", "cond", "while"])
 def test_a_product_of_device_1s_weight_pinned_to_device_0_is_found_in_every_kind_of_body(devs, run, body):
-    # Issue 51: inside a @tf.function helper today's audit saw nothing (0 misplaced); written inline, it did.
+    # Issue 51: an audit that did not enter function bodies saw nothing in a @tf.function helper; inline, it did.
     devices = _devices(devs, run)
     replicas, optimizers, _, owners = _replicas(devices)
     owners = {devices[1]: owners[devices[1]]}

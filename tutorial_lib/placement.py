@@ -46,7 +46,7 @@ import tensorflow as tf
 
 from . import placement_graph, timeline
 from .devices import normalize
-from .placement_run import Frame, Ran, Requested, requested
+from .placement_run import Frame, Ran, Requested, colocated_with, requested
 
 _COMMUNICATION_TYPES = ("Nccl", "Collective")  # NcclAllReduce, CollectiveReduceV2, CollectiveGatherV2, ...
 _COPY_TYPES = ("Identity", "IdentityN")
@@ -116,7 +116,8 @@ def audit(step, *args, owners, scopes=None, run: bool = False, **kwargs) -> Repo
     handles = {inner.name: owner_of[id(ext)] for ext, inner in graph.captures if id(ext) in owner_of}
     report = Report(0, 0)
     walker = _Walker(set(owner_of.values()) | set(scoped.values()), scoped, places, report)
-    walker.walk(graph, Frame(), [_Lineage(handle=handles.get(t.name)) for t in graph.inputs])
+    walker.walk(graph, Frame(), [_Lineage(handle=handles.get(t.name)) for t in graph.inputs],
+                [handles.get(t.name) for t in graph.inputs])  # a variable's handle is where its owner is  # fmt: skip
     if not handles and not report.ops_checked:  # an empty audit would say ok
         raise ValueError(
             "the step reads none of the owners' variables, so no op could be checked: give owners the variables "
@@ -214,7 +215,8 @@ class _Walker:
         """Give `op` its owners, check it, and return its outputs' lineage."""
         handles = frozenset(lineage.handle for lineage in ins if lineage.handle)
         beside = next(iter(handles)) if len(handles) == 1 else None
-        device, how = self.places.where(op, frame, beside, [g.sits.get(t.op.name) for t in op.inputs])
+        at = [g.sits.get(t.op.name) for t in op.inputs]
+        device, how = self.places.where(op, frame, beside, at, [g.sits.get(name) for name in colocated_with(op)])
         g.sits[op.name] = device
         path = frame.path + op.name
         if handles:  # a variable's reader or writer; an op passing the handle on names the same variable

@@ -7,9 +7,10 @@ last), folds constants, prunes ops whose result nobody reads, rewrites others un
 compiles XLA bodies into one program. The placer has given each of them a device before (placement
 precedes grappler), and `Ran.where` says which by other evidence, each way named:
 - "in its XLA cluster": an op of a compiled body runs where the call ran;
-- "fused": an op whose consumer ran as a fused kernel (found within three consumers) ran in it;
 - "requested": the device the op asked for (its own `tf.device`, or the one its call gives a body's
   op that asks for none), where the placer puts it when that device has a kernel for it;
+- "fused": an op that asked for none, whose consumer ran as a fused kernel (found within three
+  consumers), ran in it;
 - "colocated": the op an op is colocated with (`tf.gradients` colocates each gradient with its op);
 - "beside its variable": an op that reads a variable is placed where the variable is;
 - "beside its input": an op that asks for no device and only reads a shape (Shape, ShapeN, Size, Rank)
@@ -52,43 +53,47 @@ def requested(op, frame: Frame) -> str:
     return normalize(own or inherited) if own or inherited else ""
 
 
-def _unrequested(op, beside: str | None, inputs_at) -> tuple[str, str] | None:
+def colocated_with(op) -> list[str]:
+    """The ops that `op` must share a device with (`tf.colocate_with`, as tf.gradients does)."""
+    return [g.decode().removeprefix("loc:@") for g in op.colocation_groups() if g != b"loc:@" + op.name.encode()]
+
+
+def _unrequested(op, beside: str | None, inputs_at, colocated_at) -> tuple[str, str] | None:
     """Where the placer puts an op that asks for no device, when its rule leaves no doubt."""
     if beside:
         return beside, "beside its variable"
+    if known := set(colocated_at) - {None}:
+        return (known.pop(), "colocated") if len(known) == 1 else None
     inputs_at = set(inputs_at) - {None}
     if op.type in _METADATA_TYPES and len(inputs_at) == 1:
         return next(iter(inputs_at)), "beside its input"
     return None
 
 
-def _colocated_with(op) -> list[str]:
-    """The ops that `op` must share a device with (`tf.colocate_with`, as tf.gradients does)."""
-    return [g.decode().removeprefix("loc:@") for g in op.colocation_groups() if g != b"loc:@" + op.name.encode()]
-
-
 def _placed_by_default(op, frame: Frame) -> bool:
     """Does the placer put `op` on its default device (no request, no input to follow, no colocation)?"""
     follows = op.type in (*_METADATA_TYPES, "Identity", "IdentityN") or not op.inputs  # heuristics A and B
     reads_variable = any(t.dtype == tf.resource for t in op.inputs)
-    return not (follows or reads_variable or requested(op, frame) or _colocated_with(op))
+    return not (follows or reads_variable or requested(op, frame) or colocated_with(op))
 
 
 class Requested:
-    """A traced step: each op is where it asks to be; an op that asks for nothing is beside the variable
-    it reads, if any, else on `default` (where TensorFlow puts a function's unplaced ops)."""
+    """A traced step: each op is where it asks to be; an op that asks for nothing is where the placer's
+    rules put it (beside the variable it reads, the op it is colocated with, or the input whose shape it
+    reads), else on `default` (where TensorFlow puts a function's other unplaced ops)."""
 
     def __init__(self, default: str):
         self.default = normalize(default)
 
-    def where(self, op, frame: Frame, beside: str | None, inputs_at=()) -> tuple[str | None, str]:
+    def where(self, op, frame: Frame, beside: str | None, inputs_at=(), colocated_at=()) -> tuple[str | None, str]:
         """Where `op` is, and how that is known; `beside` the owner of the variable it reads, if one;
-        `inputs_at` the devices of the ops whose outputs it reads."""
+        `inputs_at` the devices of the ops whose outputs it reads; `colocated_at` the devices of the ops
+        it is colocated with (None where unknown)."""
         if frame.cluster:
             return frame.cluster, "in its XLA cluster"
         if device := requested(op, frame):
             return device, "requested"
-        return _unrequested(op, beside, inputs_at) or (self.default, "default device")
+        return _unrequested(op, beside, inputs_at, colocated_at) or (self.default, "default device")
 
     def body_prefix(self, *_) -> None:
         return None  # nothing ran
@@ -104,22 +109,17 @@ class Ran:
             self.ran.setdefault(name, (op_type, device))
         self._defaults: dict[tuple, str | None] = {}
 
-    def where(self, op, frame: Frame, beside: str | None, inputs_at=(), _depth: int = 0) -> tuple[str | None, str]:
+    def where(self, op, frame: Frame, beside: str | None, inputs_at=(), colocated_at=()) -> tuple[str | None, str]:
         """As `Requested.where`, from the run first, then from the evidence the module's docstring names."""
         if frame.run_prefix is not None and (hit := self.ran.get(frame.run_prefix + op.name)):
             return hit[1], "ran"
         if frame.cluster:
             return frame.cluster, "in its XLA cluster"
-        if device := self._fused_into(op, frame):
-            return device, "fused"
         if device := requested(op, frame):
             return device, "requested"
-        for other in _colocated_with(op):
-            if _depth < 8:
-                device, _ = self.where(op.graph.get_operation_by_name(other), frame, None, (), _depth + 1)
-                if device:
-                    return device, "colocated"
-        if found := _unrequested(op, beside, inputs_at):
+        if device := self._fused_into(op, frame):
+            return device, "fused"
+        if found := _unrequested(op, beside, inputs_at, colocated_at):
             return found
         device = None if op.type in _METADATA_TYPES else self._default(op.graph, frame)
         return (device, "default device") if device else (None, "unresolved")
