@@ -4,7 +4,8 @@ train_multi_gpu.py can train, and for the pipelined step.
 
     python -m tutorial_lib.gpu_audit --devices /GPU:0,/GPU:1 [--json PATH]
 
-Exits 0 when every op and variable is with its owner, 1 when the audit finds one that is not.
+Exits 0 when every op and variable is with its owner, 1 when the audit finds one that is not or cannot
+place an op of the run.
 """
 
 from __future__ import annotations
@@ -117,9 +118,10 @@ def main(argv=None) -> int:
     misplaced = sum(len(r.misplaced) for r in reports.values())
     counts = {"misplaced": misplaced, "ops_checked": sum(r.ops_checked for r in reports.values())}
     counts["variables_checked"] = sum(r.variables_checked for r in reports.values())
+    counts["unresolved"] = sum(len(r.unresolved) for r in reports.values())  # ops the run could not place: a failure
     if args.json:
         Path(args.json).write_text(json.dumps(counts))
-    return 1 if misplaced else 0
+    return 0 if all(r.ok for r in reports.values()) else 1
 
 
 if __name__ == "__main__":
