@@ -123,13 +123,17 @@ def test_gradients_are_summed_in_float32_and_none_stays_none(devs):
         np.testing.assert_array_equal(replica[2], [0, 2, 4, 6])
 
 
-def cnn(l2=1e-3):
+def cnn(l2=1e-3, frozen=False):
+    """Batch norm at the top and in a nested Sequential block; `frozen`: the block's does not train (fine-tuning:
+    Keras then normalizes with its moving statistics)."""
+    inner = keras.layers.BatchNormalization(momentum=0.9)
+    inner.trainable = not frozen
     return keras.Sequential([
         keras.Input((8, 8, 1)),
         keras.layers.Conv2D(4, 3, padding="same", use_bias=False, kernel_regularizer=keras.regularizers.L2(l2)),
         keras.layers.BatchNormalization(momentum=0.9),
         keras.layers.ReLU(),
-        keras.Sequential([keras.layers.Conv2D(6, 3, padding="same"), keras.layers.BatchNormalization(momentum=0.9)]),
+        keras.Sequential([keras.layers.Conv2D(6, 3, padding="same"), inner]),
         keras.layers.Flatten(),
         keras.layers.Dense(10),
     ])  # fmt: skip
@@ -144,19 +148,21 @@ def _feeds(devs, x, y, global_batch):
     return feeds
 
 
-@pytest.mark.parametrize("n, bucket_bytes", [(2, 0), (3, 1 << 20), (4, 300)])
-def test_the_synchronized_step_equals_keras_on_one_device_over_the_whole_batch_in_float64(devs, n, bucket_bytes):
+@pytest.mark.parametrize("n, bucket_bytes, frozen", [(2, 0, False), (3, 1 << 20, True), (4, 300, False)])
+def test_the_synchronized_step_equals_keras_on_one_device_over_the_whole_batch_in_float64(
+    devs, n, bucket_bytes, frozen
+):
     keras.config.set_floatx("float64")
     keras.config.set_dtype_policy("float64")
     try:
         keras.utils.set_random_seed(0)
         rng = np.random.default_rng(0)
         x, y = rng.normal(size=(4 * 3 * n, 8, 8, 1)), rng.integers(0, 10, 4 * 3 * n).astype(np.int32)
-        replicas = dp.make_replicas(cnn, devs[:n])
+        replicas = dp.make_replicas(lambda: cnn(frozen=frozen), devs[:n])
         optimizers = dp.replica_optimizers(replicas, devs[:n], lambda: keras.optimizers.Adam(1e-2))
         step = dp.make_train_step(replicas, devs[:n], optimizers, dp.make_all_sum(devs[:n], False), True, bucket_bytes)
         with tf.device(devs[0]):
-            single, adam = cnn(), keras.optimizers.Adam(1e-2)
+            single, adam = cnn(frozen=frozen), keras.optimizers.Adam(1e-2)
         for v, first in zip(single.variables, replicas[0].variables, strict=True):
             v.assign(first)
         loss = step(_feeds(devs[:n], x, y, 4 * n), tf.constant(3))  # 3 steps in one call: their mean loss
