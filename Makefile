@@ -41,11 +41,14 @@ lessons: $(STAMP)
 	$(BIN)/python tools/lessons.py --write
 
 # Re-run every notebook in place under the test settings, so stored outputs come from a real run,
-# then drop TensorFlow's start-up log lines and local paths from them (tools/clean_notebooks.py).
+# then drop TensorFlow's start-up log lines and local paths from them (tools/clean_notebooks.py), and
+# copy the timing cells' quiet runs, with this machine and date, into tutorial_lib/stored_runs.json,
+# which a busy student's run prints beside its own (tools/stored_runs.py: it refuses a busy run).
 notebooks: $(STAMP)
 	$(RUN_ENV) $(BIN)/jupyter nbconvert --to notebook --execute --inplace \
 		--ExecutePreprocessor.record_timing=False --ExecutePreprocessor.timeout=600 $(NOTEBOOKS)
 	$(BIN)/python tools/clean_notebooks.py $(NOTEBOOKS)
+	$(BIN)/python tools/stored_runs.py --write $(NOTEBOOKS)
 
 # The hand-out for students: student/ and student.zip (not committed), with the package and the
 # notebooks, solution cells emptied into numbered placeholders and outputs cleared.

@@ -178,14 +178,18 @@ def choose_devices(names, simulate, want):
         return devices
     if len(gpus) >= max(want or 2, 2) and not simulate:
         return [f"/GPU:{i}" for i in range(want or len(gpus))]
-    n = simulate or want or 2
-    if len(tf.config.get_logical_device_configuration(cpu) or []) != n:
-        tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * n)
+    n, made = simulate or want or 2, tf.config.get_logical_device_configuration(cpu) or []
+    if len(made) < n:  # none yet, or too few: made now (TensorFlow allows it only before it starts)
+        try:
+            tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * n)
+        except RuntimeError:
+            refuse(f"--simulate {n}: this process already runs TensorFlow with {len(made) or 1} CPU device(s); "
+                   "start a new Python (restart the kernel), or name devices it has with --devices")  # fmt: skip
     print(
         f"{len(gpus)} GPU(s): {n} simulated CPU devices, which share this process's threads and cores: they show "
         "the method at work and check it, not a speed that GPUs would get"
     )
-    return [d.name for d in tf.config.list_logical_devices("CPU")]
+    return [d.name for d in tf.config.list_logical_devices("CPU")][:n]
 
 
 def simulated(devices):
@@ -212,7 +216,12 @@ def json_ready(value):
 def output_problem(model, x):
     """Why `model`'s outputs are not one logit per class for images like x, or None: the programs take LOGITS
     (no softmax at the end), as the method's loss does; a model that ends in softmax would train far worse."""
-    out = np.asarray(model(x[:4], training=False), np.float64)
+    try:
+        out = np.asarray(model(x[:4], training=False), np.float64)
+    except (TypeError, ValueError, tf.errors.OpError) as err:  # another input shape, or several inputs
+        said = " ".join(str(err).split())[:300]
+        return (f"the model cannot take a batch of these images, shape (4, {', '.join(map(str, x.shape[1:]))}): "
+                f"{type(err).__name__}: {said}; build it for one input of that shape, or feed your data")  # fmt: skip
     if out.ndim != 2 or out.shape[1] != 10:
         return f"the model returns shape {out.shape} for 4 images; return (batch, 10): one logit per class"
     if np.all(out >= 0) and np.allclose(out.sum(axis=1), 1, atol=1e-3):

@@ -1,14 +1,11 @@
 """Data parallelism by hand: one Keras replica and one optimizer per device, gradients summed by NCCL.
 
-The method that train_multi_gpu.py trains, and the course's one copy of it: notebooks 03 and 04 define
-these functions in their cells (each below a `# lesson:` line here) and the course's tests check that
-they are the same. Every line that makes it multi-device runs under a `tf.device`.
+The method train_multi_gpu.py trains, and the course's one copy of it: notebooks 03 and 04 define these
+functions in their cells (each below a `# lesson:` line here), checked to be the same. Every line that
+makes it multi-device runs under a `tf.device`. In short (train_multi_gpu.py's `build`):
 
-    all_sum = make_all_sum(devices, nccl=True)               # TensorFlow's collective all-reduce
-    replicas = make_replicas(make_model, devices)            # one copy of the model per device
-    optimizers = replica_optimizers(replicas, devices, lambda: keras.optimizers.Adam(1e-3))
-    step = make_train_step(replicas, devices, optimizers, all_sum, sync_bn=True)
-    loss = step(iterators, k)                                # k steps, one share per device each
+    all_sum = make_all_sum(devices, nccl=True)  # replicas = make_replicas(make_model, devices)
+    step = make_train_step(replicas, devices, replica_optimizers(replicas, devices, make_adam), all_sum)
 """
 
 import itertools
@@ -42,6 +39,7 @@ def make_all_sum(devices, nccl, timeout=300.0):
             input=t, group_size=len(devices), group_key=group, instance_key=key, ordering_token=[token.handle],
             merge_op="Add", final_op="Id", communication_hint=hint, timeout_seconds=timeout)  # fmt: skip
 
+    @tf.autograph.experimental.do_not_convert  # no Python control flow here; AutoGraph cannot read the lambda
     def on_device(t, token, key, gradient_key):
         @tf.custom_gradient  # TensorFlow registers no gradient for the op: a sum's is the sum of the gradients
         def summed(x):
@@ -110,16 +108,23 @@ def loss_part(replica, outputs, y, examples, replicas, loss_fn=cross_entropy):
 
 
 # lesson: 03_nccl_allreduce
+def summed_dtype(g):
+    """What a gradient is summed in: float64 stays float64 (the check), everything else in float32 (a 16-bit
+    sum loses digits, and NCCL's raw op takes no bfloat16)."""
+    return tf.float64 if g.dtype == tf.float64 else tf.float32
+
+
+# lesson: 03_nccl_allreduce
 def bucket_plan(tensors, bucket_bytes):
-    """The indices of `tensors` (None ones left out) in buckets of at most `bucket_bytes` (a larger tensor alone),
-    from the LAST: backprop yields the last layers' gradients first, so the first buckets can be summed while the
-    earlier layers' are computed (Horovod's tensor fusion, PyTorch DDP's buckets). 0: one bucket per tensor."""
+    """The indices of `tensors` (None ones left out) in buckets of at most `bucket_bytes` (a larger tensor alone), one
+    summed_dtype each, from the LAST: backprop yields the last layers' gradients first, so the first buckets can be
+    summed while the earlier layers' are computed (Horovod's tensor fusion, PyTorch DDP's buckets). 0: one each."""
     plan, size = [], 0
     for j in reversed(range(len(tensors))):
         if tensors[j] is None:  # a weight the loss does not use: nothing to sum
             continue
-        nbytes = tensors[j].shape.num_elements() * 4  # summed in float32
-        if plan and size + nbytes <= bucket_bytes:
+        nbytes = tensors[j].shape.num_elements() * summed_dtype(tensors[j]).size
+        if plan and size + nbytes <= bucket_bytes and summed_dtype(tensors[j]) == summed_dtype(tensors[plan[-1][0]]):
             plan[-1].append(j)
             size += nbytes
         else:
@@ -131,14 +136,14 @@ def bucket_plan(tensors, bucket_bytes):
 # lesson: 03_nccl_allreduce
 def all_reduce_gradients(grads, devices, all_sum, bucket_bytes=0):
     """tensorpack's allreduce_grads for K replicas x N gradients, summed: each replica's gradients packed on its
-    device into the buckets of bucket_plan (in float32, whatever the model computes in), one all-reduce per
-    bucket, unpacked on each replica's device. None gradients stay None."""
+    device into the buckets of bucket_plan (16-bit ones in float32), one all-reduce per bucket, unpacked on each
+    replica's device in each gradient's own dtype. None gradients stay None."""
     plan, out = bucket_plan(grads[0], bucket_bytes), [list(g) for g in grads]
     for bucket in plan:
         packed = []
         for g, device in zip(grads, devices, strict=True):
             with tf.device(device):
-                packed.append(tf.concat([tf.reshape(tf.cast(g[j], tf.float32), [-1]) for j in bucket], 0))
+                packed.append(tf.concat([tf.reshape(tf.cast(g[j], summed_dtype(g[j])), [-1]) for j in bucket], 0))
         for replica, vector, device in zip(out, all_sum(packed), devices, strict=True):
             with tf.device(device):
                 pieces = tf.split(vector, [grads[0][j].shape.num_elements() for j in bucket])
@@ -161,13 +166,13 @@ def local_moments(x):
 
 # lesson: 04_sync_batchnorm
 def combine_moments(rows):
-    """Chan et al.: M2 = sum M2_i + sum n_i (mean_i - mean)^2. Returns (count, mean, variance)."""
+    """Chan et al.: M2 = sum M2_i + sum n_i (mean_i - mean)^2. Returns (count, mean, variance); zeros for none."""
     c = (rows.shape[-1] - 1) // 2
     counts, means, m2s = rows[:, :1], rows[:, 1 : 1 + c], rows[:, 1 + c :]
     count = tf.reduce_sum(counts)
-    mean = tf.reduce_sum(counts * means, 0) / count
+    mean = tf.math.divide_no_nan(tf.reduce_sum(counts * means, 0), count)
     m2 = tf.reduce_sum(m2s, 0) + tf.reduce_sum(counts * tf.square(means - mean), 0)
-    return count, mean, m2 / count
+    return count, mean, tf.math.divide_no_nan(m2, count)
 
 
 # lesson: 04_sync_batchnorm
@@ -210,7 +215,7 @@ def replicated_forward(replicas, devices, xs, all_sum):
     return hs
 
 
-# lesson: 04_sync_batchnorm
+# lesson: 03_nccl_allreduce
 def replica_gradients(replica, optimizer, replicas, loss_fn=cross_entropy, jit=False):
     """A function of one replica's share (x, y) and the global batch's example count: its part of the loss
     (loss_part) and the gradients of that part, scaled by the optimizer (a LossScaleOptimizer's loss scale; 1 for
@@ -256,7 +261,8 @@ def make_train_step(replicas, devices, optimizers, all_sum, sync_bn=True, bucket
 
     def one_step(iterators):
         xs, ys = zip(*(next(iterator) for iterator in iterators), strict=True)
-        saved = [statistics_before(o, r) for o, r in zip(optimizers, replicas, strict=True)]
+        scaled = isinstance(optimizers[0], keras.optimizers.LossScaleOptimizer)  # float16: it may skip a step
+        saved = [[tf.identity(v) for v in r.non_trainable_variables] if scaled else None for r in replicas]
         if sync_bn:
             parts, grads = synced_gradients(replicas, devices, optimizers, xs, ys, all_sum, loss_fn)
         else:
@@ -277,29 +283,17 @@ def make_train_step(replicas, devices, optimizers, all_sum, sync_bn=True, bucket
     @tf.function
     def step(iterators, k):
         total = tf.zeros([], tf.float64 if replicas[0].trainable_variables[0].dtype == "float64" else tf.float32)
-        for _ in tf.range(k):
+        for _ in range(k):  # autograph: a tf.while_loop for a tensor k, unrolled for a Python int
             total += tf.cast(one_step(iterators), total.dtype)
         return total / tf.cast(k, total.dtype)
 
-    if sync_bn and jit:
-        raise ValueError("jit compiles each replica's forward and backward alone, on its device, and synchronized "
-                         "batch norm all-reduces inside them: give sync_bn=False, or jit=False")  # fmt: skip
     return step
-
-
-# lesson: 04_sync_batchnorm
-def statistics_before(optimizer, replica):
-    """What keep_statistics_if_skipped puts back: the replica's non-trainable variables (batch norm's moving
-    statistics) read before the forward, where the optimizer may skip a step (float16's loss scaling)."""
-    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-        return [tf.identity(v) for v in replica.non_trainable_variables]
-    return None
 
 
 # lesson: 04_sync_batchnorm
 def keep_statistics_if_skipped(grads, variables, saved):
     """A LossScaleOptimizer (float16) skips a step whose gradients overflowed, but the forward has already moved batch
-    norm's moving statistics (to inf or NaN, for good): put them back (`saved`, from statistics_before), as the
+    norm's moving statistics (to inf or NaN, for good): put them back (`saved`, read before the forward), as the
     skipped step leaves the weights. Nothing to do for other optimizers (saved is None)."""
     if saved is not None:
         finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(g)) for g in grads if g is not None])
@@ -342,7 +336,7 @@ def mirrored_train_step(strategy, model, optimizer, loss_fn=cross_entropy, jit=F
     @tf.function
     def step(iterator, k):
         total = tf.zeros([], tf.float64 if model.trainable_variables[0].dtype == "float64" else tf.float32)
-        for _ in tf.range(k):
+        for _ in range(k):  # autograph: a tf.while_loop for a tensor k, unrolled for a Python int
             total += tf.cast(strategy.reduce("SUM", strategy.run(replica_step, next(iterator)), None), total.dtype)
         return total / tf.cast(k, total.dtype)
 

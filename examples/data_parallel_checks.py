@@ -15,9 +15,10 @@ import numpy as np
 import tensorflow as tf
 
 # One step of 16-bit SGD against one device, weight moves compared as vectors: bfloat16 keeps 8 significant bits
-# (rounding 2^-8 = 0.4%), float16 11 (0.05%); a step sums thousands of rounded products, so a right method stays
-# within 8 units of rounding (measured: ADD), and a wrong one (an average for a sum: off by 1 - 1/N >= 50%) fails.
-TOLERANCE = {"float64": 1e-5, "bfloat16": 8 * 2.0**-8, "float16": 8 * 2.0**-11}
+# (2^-8 = 0.4%), float16 11 (0.05%); a step sums thousands of rounded products. Allowed: 16 units of that rounding;
+# measured with the course's CNN on 2 devices, 6 seeds, batches 8 and 16: up to 5.6 units (bfloat16) and 3.6
+# (float16). A wrong method is off by far more: an average for a sum by 1 - 1/N, 50% or more.
+TOLERANCE = {"float64": 1e-5, "bfloat16": 16 * 2.0**-8, "float16": 16 * 2.0**-11}
 
 
 def check(args, devices, data, program):
@@ -42,7 +43,7 @@ def compare(args, devices, x, y, program):
     shares = n if args.bn == "local" else 1  # local BN: the reference normalizes each replica's share by itself
     with tf.device(devices[0]):
         single, optimizer = program.make_model(x.shape[1:]), cli.optimizer(args)
-    for v, first in zip(single.variables, run.variables[0], strict=True):
+    for v, first in zip(single.weights, run.weights[0], strict=True):
         v.assign(first)  # the same start
     left_out = without_random_layers([*getattr(run, "replicas", [run.model]), single])
     step = reference_step(single, optimizer, shares, devices[0])
@@ -54,7 +55,7 @@ def compare(args, devices, x, y, program):
         expected = np.mean([np.float64(step(*next(reference))) for _ in range(k)])
         differences.append(abs(loss - expected) / abs(expected))
         done += k
-    for i, replica in enumerate(run.variables):
+    for i, replica in enumerate(run.weights):
         for a, b in zip(replica, step.expected(i), strict=True):
             differences.append(np.max(np.abs(np.asarray(a) - b)) / max(np.max(np.abs(b)), 1e-30))
     worst = float(np.max(differences))  # NaN if any is: max(0.0, nan) would be 0.0
@@ -100,9 +101,7 @@ def reference_step(model, optimizer, shares, device):
         return loss
 
     index = {id(v): j for j, v in enumerate(moving)}
-    step.expected = lambda i: [
-        (kept[i % shares][index[id(v)]] if id(v) in index else v).numpy() for v in model.variables
-    ]
+    step.expected = lambda i: [(kept[i % shares][index[id(v)]] if id(v) in index else v).numpy() for v in model.weights]
     return step
 
 
@@ -114,7 +113,7 @@ def first_step(args, devices, x, y, program):
     run = program.build(args, devices, x.shape[1:], make_optimizer=sgd)
     with tf.device(devices[0]):
         single = program.make_model(x.shape[1:])
-    for v, first in zip(single.variables, run.variables[0], strict=True):
+    for v, first in zip(single.weights, run.weights[0], strict=True):
         v.assign(first)
     without_random_layers([*getattr(run, "replicas", [run.model]), single])
     start = [v.numpy() for v in single.trainable_variables]
@@ -133,7 +132,7 @@ def plain_step(model, optimizer):
     @tf.function
     def step(iterator, k):
         total = 0.0
-        for _ in tf.range(k):
+        for _ in range(k):  # autograph: a tf.while_loop for a tensor k, unrolled for a Python int
             x, y = next(iterator)
             with tf.GradientTape() as tape:
                 loss = tf.reduce_mean(dp.cross_entropy(y, model(x, training=True))) + sum(model.losses)

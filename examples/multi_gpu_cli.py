@@ -87,7 +87,7 @@ def parse(argv, description):
     p.add_argument("--breakdown", action="store_true", help="and split a step into input, compute and all-reduce")
     p.add_argument("--checkpoint", metavar="DIR", help="save each epoch; resume from DIR's newest intact checkpoint")
     p.add_argument("--json", metavar="PATH", help="write the final metrics to PATH")
-    p.add_argument("--logdir", help="the profiler's trace here (--profile)")
+    p.add_argument("--logdir", help="TensorBoard scalars here each epoch (and --profile's trace)")
     p.add_argument("--profile", action="store_true", help="a profiler trace of 3 steps in --logdir")
     args = p.parse_args(argv)
     for message in problems(args)[:1]:
@@ -104,7 +104,7 @@ def problems(a):
         (a.devices and a.simulate, "give --devices or --simulate, not both"),
         (a.simulate is not None and not 1 <= a.simulate <= 16, "--simulate: 1 to 16 devices"),
         (
-            min(a.epochs, a.batch, a.steps_per_call, a.steps or 1) < 1,
+            min(a.epochs, a.batch, a.steps_per_call, 1 if a.steps is None else a.steps) < 1,
             "--epochs, --batch, --steps and --steps-per-call must be >= 1",
         ),
         (a.batch % n, f"--batch {a.batch}: give a multiple of the {n} devices, e.g. {max(n, a.batch // n * n)}"),
@@ -208,7 +208,7 @@ def gradients_said(args, model):
         return "gradients: summed inside MirroredStrategy's apply_gradients"
     weights = model.trainable_variables
     plan = dp.bucket_plan(weights, args.bucket_bytes)
-    sizes = [sum(weights[j].shape.num_elements() * 4 for j in bucket) for bucket in plan]  # summed in float32
+    sizes = [sum(weights[j].shape.num_elements() * dp.summed_dtype(weights[j]).size for j in bucket) for bucket in plan]
     return (
         f"gradients: {len(weights)} tensors, {sum(sizes):,} bytes, in {len(plan)} all-reduce(s) a step "
         f"(--bucket-mb {args.bucket_mb:g}, last layers first); {args.steps_per_call} steps a call"

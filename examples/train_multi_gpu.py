@@ -48,7 +48,8 @@ def make_model(input_shape, synchronized=False):
 
 def build(args, devices, input_shape, make_optimizer=None, all_sum=None):
     """What a run trains: step(feed, k), feed(x, y, skip) (built once), the model to evaluate and save with its
-    optimizer, restored() (the saved replica's state onto the others) and every replica's variables. The checks
+    optimizer, restored() (the saved replica's state onto the others), every replica's weights (batch norm's
+    statistics too; not the random layers' seed states, which each replica keeps its own) and owners. The checks
     build it with another optimizer, or another all_sum."""
     make_optimizer = make_optimizer or (lambda: cli.optimizer(args))
     if args.strategy == "mirrored":
@@ -57,14 +58,16 @@ def build(args, devices, input_shape, make_optimizer=None, all_sum=None):
         with strategy.scope():  # one copy of every variable per device, Adam's too
             model, optimizer = make_model(input_shape, synchronized=args.bn == "sync"), make_optimizer()
             optimizer.build(model.trainable_variables)
-        copies = [strategy.experimental_local_results(v.value) for v in model.variables]
+        copies = [strategy.experimental_local_results(v.value) for v in [*model.weights, *optimizer.variables]]
+        per_device = [list(vs) for vs in zip(*copies, strict=True)]  # each device's own copies
         return SimpleNamespace(
             step=dp.mirrored_train_step(strategy, model, optimizer, jit=args.jit),
             model=model,
             optimizer=optimizer,
             feed=lambda x, y, skip=0: iter(strategy.experimental_distribute_dataset(batches(x, y, args, skip))),
             restored=lambda: None,
-            variables=[list(per_device) for per_device in zip(*copies, strict=True)],
+            weights=[vs[: len(model.weights)] for vs in per_device],
+            owners=dict(zip(devices, per_device, strict=True)),  # what each device holds: for a placement audit
         )
     replicas = dp.make_replicas(lambda: make_model(input_shape), devices)
     optimizers = dp.replica_optimizers(replicas, devices, make_optimizer)
@@ -84,10 +87,18 @@ def build(args, devices, input_shape, make_optimizer=None, all_sum=None):
         restored=restored,
         feed=lambda x, y, skip=0: device_feeds(x, y, args, devices, skip),
         all_sum=all_sum,
-        variables=[r.variables for r in replicas],
+        weights=[r.weights for r in replicas],
         replicas=replicas,
-        optimizers=optimizers,
+        owners=owned(devices, replicas, optimizers, getattr(all_sum, "tokens", [])),
     )
+
+
+def owned(devices, replicas, optimizers, tokens):
+    """{device: what it holds}: its replica's variables, its optimizer's, its all-reduce ordering token (a stand-in
+    all_sum has none). What a placement audit checks each op against (tutorial_lib.placement)."""
+    tokens = [[t] for t in tokens] or [[] for _ in devices]
+    held = zip(devices, replicas, optimizers, tokens, strict=True)
+    return {d: [*r.variables, *o.variables, *t] for d, r, o, t in held}
 
 
 def batches(x, y, args, skip=0):
@@ -117,6 +128,7 @@ def train(args, run, data, saver):
     per_epoch, done = len(x) // args.batch, saver.done
     total = min(args.steps or args.epochs * per_epoch, args.epochs * per_epoch)
     feed, metrics, timed, seconds, profiling = run.feed(x, y, skip=done), {}, 0, 0.0, False
+    writer = tf.summary.create_file_writer(args.logdir) if args.logdir else None
     while done < total:
         epoch, steps = done // per_epoch, min(per_epoch - done % per_epoch, total - done)
         print(f"epoch {epoch + 1}/{args.epochs}")
@@ -138,6 +150,10 @@ def train(args, run, data, saver):
             "images_per_second": epoch_timed * args.batch / epoch_seconds if epoch_timed else np.nan,
         }
         print("  ".join(f"{k} {v:,.0f}" if "second" in k else f"{k} {v:.3f}" for k, v in metrics.items()))
+        if writer:
+            with writer.as_default(step=epoch):
+                for name, value in metrics.items():
+                    tf.summary.scalar(name, value)
         saver.save(done)
     if profiling:
         tf.profiler.experimental.stop()

@@ -232,3 +232,24 @@ def test_simulate_announces_the_spread_and_what_to_ask_for(capsys):
     out = capsys.readouterr().out
     assert out.startswith("4 logical GPU device(s) (2 GPUs for 4 devices: 4 logical GPUs spread over the 2 GPUs")
     assert "call simulate(2) instead" in out and out.rstrip().endswith(", ".join(names))
+
+
+def test_simulate_says_in_its_line_that_core_devices_share_cores_and_warns_nothing(monkeypatch, capsys, recwarn):
+    """3 core devices on 2 cores: the note is in the one line simulate prints, not a warning on stderr
+    (which a notebook shows as a red block under its first cell)."""
+
+    def fake_start(n):  # what core_devices.start does before any process: choose the cores, warning
+        cores = devices.core_devices.cores_for(n, [0, 1])
+        workers = [types.SimpleNamespace(core=core) for core in cores]
+        monkeypatch.setattr(devices.core_devices, "workers", workers)
+        return [devices.core_devices.device_name(task) for task in range(n)]
+
+    monkeypatch.setattr(devices, "_current", None)
+    monkeypatch.setattr(devices.core_devices, "start", fake_start)
+    names = devices.simulate(3, kind="cores")
+    line = capsys.readouterr().out
+    assert len(names) == 3 and line.count("\n") == 1
+    assert "pinned to core(s) [0, 1]; 3 devices share 2 core(s), so speed figures no longer mean one core" in line
+    assert not [w for w in recwarn.list if "share a core" in str(w.message)]
+    with pytest.warns(UserWarning, match="several devices share a core"):  # called directly, it still warns
+        devices.core_devices.cores_for(3, [0, 1])

@@ -131,7 +131,6 @@ def test_make_refuses_a_python_tensorflow_has_no_wheels_for(tmp_path):
 
 # What a kernel started by hand has: none of the settings of the Makefile or of the tests.
 _COURSE_SETTINGS = ("TF_CPP_MIN_LOG_LEVEL", "TUTORIAL_DEVICE", "PYTHONHASHSEED", "TUTORIAL_RAW_STDERR")
-_NOISE_WORDS = ("absl::InitializeLog", "oneDNN", "cuda drivers", "cuInit", "TensorRT", "factory", "E0000", "I0000")
 
 
 def _plain_env() -> dict:
@@ -150,24 +149,7 @@ def test_the_first_import_and_simulate_print_one_line_in_a_plain_python():
     assert len(result.stdout.splitlines()) == 1 and "device" in result.stdout, result.stdout
 
 
-@pytest.mark.slow
-def test_a_notebook_setup_cell_is_quiet_in_a_kernel_with_a_plain_environment(monkeypatch):
-    """The course's first setup cell (notebook 00's), in a fresh kernel whose environment lacks the course's settings:
-    what it shows is the one line simulate prints, and no start-up noise (ipykernel shows what
-    C++ writes to stderr in the cell)."""
-    nbclient = pytest.importorskip("nbclient")
-    import nbformat
-
-    for key in _COURSE_SETTINGS:
-        monkeypatch.delenv(key, raising=False)
-    monkeypatch.setenv("PYTHONPATH", str(ROOT))
-    nb = nbformat.read(ROOT / "notebooks" / "00_devices.ipynb", as_version=4)
-    nb.cells = nb.cells[:3]
-    nbclient.NotebookClient(nb, timeout=300, kernel_name="python3").execute()
-    outputs = nb.cells[2].outputs
-    shown = "".join(o.get("text", "") for o in outputs) + "".join(str(o.get("data", "")) for o in outputs)
-    assert not [w for w in _NOISE_WORDS if w in shown], shown
-    assert "device" in shown, shown
+# Every notebook's first cell in a kernel with a plain environment: tests/test_first_cells.py.
 
 
 def test_the_filter_drops_only_start_up_noise_and_gives_stderr_back():

@@ -101,6 +101,32 @@ def test_the_handout_holds_no_solution_text_and_no_teacher_files(handout):
         assert not leaked, f"{name} contains solution code: {leaked[:3]}"
 
 
+def _course_dir() -> str:
+    """The folder `make lab` opens JupyterLab in (course.mk's COURSE_DIR)."""
+    return re.search(r"^COURSE_DIR \?= (\S+)$", (ROOT / "course.mk").read_text(), re.MULTILINE).group(1)
+
+
+def test_the_student_readme_names_the_first_notebook_as_jupyterlab_shows_it():
+    """make lab and `jupyter lab notebooks/` open in the notebooks folder: the README says so, and names
+    the first notebook by the name its file browser shows, not by a path from the hand-out's root."""
+    readme, course_dir = student_copies.student_readme(), _course_dir()
+    assert course_dir == "notebooks" and "jupyter lab notebooks/" in readme
+    assert f"`{course_dir}/00_devices.ipynb`" not in readme
+    start = readme.split("## Start", 1)[1].split("\n## ", 1)[0]
+    assert start.count("opens JupyterLab in the\n  `notebooks/` folder: open `00_devices.ipynb` there") == 1
+    assert "JupyterLab opens in `notebooks/`: start with `00_devices.ipynb`" in start  # the pip route
+
+
+def test_the_teacher_readme_lists_what_the_handout_takes_from_tools():
+    """The hand-out ships tools/lab_overrides.json (make install needs it): the teacher's README says so."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("### The hand-out", 1)[1].split("\n### ", 1)[0]
+    shipped = [name for name in student_copies.COURSE_FILES if name.startswith("tools/")]
+    assert shipped == ["tools/lab_overrides.json"]
+    assert all(f"`{name}`" in section for name in shipped), section
+    assert "no tools," not in " ".join(section.split())
+
+
 def _notebook_00():
     return json.loads((ROOT / "notebooks" / "00_devices.ipynb").read_text())
 

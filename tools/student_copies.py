@@ -63,8 +63,8 @@ Unpack the hand-out (`student.zip`) and open a terminal in its folder, `student/
 Python 3.10 to 3.13 (TensorFlow has no stable wheels for newer ones yet); no GPU.
 
 - **With make** (Linux, macOS, WSL): `make lab`. The first run says what it sets up, installs
-  the course into `.venv` (a few minutes, mostly TensorFlow), then opens JupyterLab; open
-  `notebooks/00_devices.ipynb` in it. `make clean` removes `.venv`.
+  the course into `.venv` (a few minutes, mostly TensorFlow), then opens JupyterLab in the
+  `notebooks/` folder: open `00_devices.ipynb` there. `make clean` removes `.venv`.
 - **With pip only**: in a virtual environment of your own,
 
   ```bash
@@ -76,7 +76,7 @@ Python 3.10 to 3.13 (TensorFlow has no stable wheels for newer ones yet); no GPU
   ```
 
   The fourth line, once, keeps JupyterLab in this environment from asking whether it should
-  fetch Jupyter's news.
+  fetch Jupyter's news. JupyterLab opens in `notebooks/`: start with `00_devices.ipynb`.
 - **With conda**: `conda env create -f environment.yml`, `conda activate tf-multi-device`,
   the `jupyter labextension disable` line above once, then `jupyter lab notebooks/`.
 - **On a shared JupyterHub or JupyterLab**: see *Shared servers* below.

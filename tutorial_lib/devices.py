@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import warnings
 from dataclasses import dataclass
 
 from . import checks, core_devices, stop_filtering_stderr
@@ -93,7 +94,7 @@ def simulate(n: int, kind: str = "auto") -> list[str]:
             _announce(_current)
             return list(_current.names)
         _refuse(layout, _devices(_current, started=True))
-    names = core_devices.start(layout.n) if layout.model == "cores" else _start_in_process(layout)
+    names = _start_core_devices(layout.n) if layout.model == "cores" else _start_in_process(layout)
     stop_filtering_stderr()  # TensorFlow has started: its start-up lines are behind us, a crash's are not
     _current = dataclasses.replace(layout, names=tuple(names))
     _announce(_current)
@@ -109,6 +110,14 @@ def _physical_gpus() -> int:
     import tensorflow as tf
 
     return len(tf.config.list_physical_devices("GPU"))
+
+
+def _start_core_devices(n: int) -> list[str]:
+    """core_devices.start(n), without its warning that devices share cores: the line simulate prints says
+    it (a warning would show as a red block under the notebook's first cell)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r".*several devices share a core", category=UserWarning)
+        return core_devices.start(n)
 
 
 def _start_in_process(layout: Layout) -> list[str]:
@@ -174,7 +183,13 @@ def _threads_note(layout: Layout) -> str:
     """What is really in force, read back rather than assumed: configuring fails once TensorFlow runs."""
     if layout.model == "cores":
         cores = sorted({w.core for w in core_devices.workers})
-        return f"; one server process per device, pinned to core(s) {cores}"
+        shared = (
+            f"; {layout.n} devices share {len(cores)} core(s), so speed figures no longer mean one core per "
+            "device (results stay correct)"
+            if layout.n > len(cores)
+            else ""
+        )
+        return f"; one server process per device, pinned to core(s) {cores}{shared}"
     if layout.device_type != "CPU":
         return ""
     import tensorflow as tf

@@ -120,11 +120,12 @@ def _kind(scope):
 def kept_tensors(pipe, x, y) -> list[dict]:
     """Every activation tensor one step keeps from the F, B or W that makes it to a later one that reads it, as
     {device, maker, reader (indices in `pipe.scopes()`), bytes, layer} (layer: the layer{i} scope it was made in,
-    a gradient's being the layer whose backward made it; else "input", the chunk's input and its copy). It counts each floating tensor that a forward op makes and a backward reads or a later op
-    takes (a layer's input and output, the copy of a micro-batch that arrives, a forward recomputed in a
-    backward), and each gradient that one op leaves to a later one (W's output gradients from B, a gradient on its
-    way to the chunk before). It leaves out weights, optimizer state, the summed weight gradients (one set per
-    device in every schedule), the temporaries that one op makes and frees, and TensorFlow's own buffers."""
+    a gradient's being the layer whose backward made it; else "input", the chunk's input and its copy). It counts
+    each floating tensor that a forward op makes and a backward reads or a later op takes (a layer's input and
+    output, the copy of a micro-batch that arrives, a forward recomputed in a backward), and each gradient that one
+    op leaves to a later one (W's output gradients from B, a gradient on its way to the chunk before). It leaves
+    out weights, optimizer state, the summed weight gradients (one set per device in every schedule), the
+    temporaries that one op makes and frees, and TensorFlow's own buffers."""
     where, scopes, graph = op_steps(pipe, x, y), pipe.scopes(), graph_of(pipe, x, y)
 
     def gradient(op):
