@@ -302,7 +302,7 @@ class Checkpoints:
             try:
                 kept = json.loads(tf.train.load_checkpoint(prefix).get_tensor("settings/.ATTRIBUTES/VARIABLE_VALUE"))
                 status = self.saved.read(prefix)
-            except (tf.errors.OpError, ValueError, KeyError, json.JSONDecodeError) as err:
+            except (tf.errors.OpError, ValueError, KeyError, IndexError, json.JSONDecodeError) as err:  # cut short
                 print(f"checkpoint: {prefix} is damaged ({type(err).__name__}); trying an older one")
                 continue
             if other := {k: (kept.get(k), v) for k, v in settings.items() if kept.get(k) != v}:
