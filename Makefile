@@ -22,6 +22,9 @@ student-lab: student
 # processes and kernels they start. --dist loadfile keeps each file in one worker, in order:
 # nbval runs a notebook's cells one after another in one kernel. The notebooks come first: they
 # are the longest files, and started last they would leave one worker running alone at the end.
+# Nothing a test builds may leak into the next: `make test TEST_WORKERS=1` runs every file in one
+# process, and TEST_FILE_ORDER=reversed (tests/conftest.py) runs the files last to first, so a file
+# that leaves state behind (a strategy's keys, a Keras policy, the working folder) fails one of them.
 TEST_WORKERS ?= 2
 PARALLEL = $(if $(filter-out 1,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile)
 
