@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 try:
@@ -311,3 +312,53 @@ def test_importing_tutorial_lib_hides_tensorflow_info_logs_but_not_warnings():
 def test_a_log_level_set_by_the_user_or_the_makefile_wins():
     assert _log_level_after_import(TF_CPP_MIN_LOG_LEVEL="3") == "3 False"
     assert _log_level_after_import(TF_CPP_MIN_LOG_LEVEL="0") == "0 False"
+
+
+# --- make test runs the notebooks once more under the other math library ----------------------
+
+
+def _make_test_plan(tmp_path, *args) -> str:
+    tmp_path = tmp_path / "_".join(("plan", *args))
+    tmp_path.mkdir()
+    for name in ("Makefile", "course.mk"):
+        shutil.copy(ROOT / name, tmp_path)
+    (tmp_path / "pyproject.toml").write_text("")
+    (tmp_path / ".venv").mkdir()
+    (tmp_path / ".venv" / ".installed").write_text("")  # newer than pyproject.toml: no install
+    os.utime(tmp_path / "pyproject.toml", (0, 0))
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHON", "MAKEFLAGS", "MAKELEVEL")}
+    return subprocess.run(
+        ["make", "-n", "test", *args], cwd=tmp_path, capture_output=True, text=True, env=env, check=True
+    ).stdout
+
+
+def test_make_test_runs_the_notebooks_again_with_onednn_switched(tmp_path):
+    plan = _make_test_plan(tmp_path)
+    first, flip = plan.index("pytest"), plan.index("tools/onednn_flip.py")
+    assert first < flip
+    second = plan[flip:]
+    assert "TF_ENABLE_ONEDNN_OPTS=$flip .venv/bin/python -m pytest" in second and "--nbval" in second
+    assert " tests " not in second  # the notebooks only: the unit tests ran once
+    assert "onednn_flip.py" not in _make_test_plan(tmp_path, "FLIP_ONEDNN=0")
+
+
+def _onednn_on(**env) -> bool:
+    code = "from tensorflow.python.util import _pywrap_util_port as port; print(int(port.IsMklEnabled()))"
+    result = subprocess.run(
+        [sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True, timeout=300, check=True
+    )
+    return result.stdout.split()[-1] == "1"
+
+
+@pytest.mark.slow
+def test_onednn_flip_names_the_setting_that_switches_onednn_the_other_way():
+    result = subprocess.run(
+        [sys.executable, "tools/onednn_flip.py"], cwd=ROOT, capture_output=True, text=True, timeout=600, check=True
+    )
+    flip = result.stdout.strip()
+    if not flip:  # a TensorFlow without oneDNN: the tool said why, and make test skips the pass
+        assert "cannot switch it" in result.stderr
+        assert _onednn_on(TF_ENABLE_ONEDNN_OPTS="0") == _onednn_on(TF_ENABLE_ONEDNN_OPTS="1")
+        return
+    assert flip in ("0", "1")
+    assert _onednn_on() != _onednn_on(TF_ENABLE_ONEDNN_OPTS=flip)
