@@ -4,7 +4,8 @@ nbval compares a re-run's outputs with the stored ones character by character, s
 float32 rounding moves must be printed at the precision its check guarantees ("below 1e-3"), or
 masked by tests/nbval_sanitize.cfg, or its cell tagged nbval-ignore-output. The figure this finds
 is the one that broke .ci/run on an Intel Xeon: a measured difference printed with two significant
-digits, "hidden-layer gradients: largest difference 2.1e-04", which another CPU printed as 2.0e-04.
+digits, "hidden-layer gradients: largest difference 2.1e-04" (notebook 04, Cell 7), where the Xeon
+and the stored output disagreed in the second digit (2.0e-04 against 2.1e-04).
 Running the notebooks with oneDNN switched the other way (make test's second pass) did not catch it
 on an AMD EPYC: both math libraries printed 2.1e-04 there. This check needs no kernel.
 
