@@ -4,15 +4,46 @@
 
 from __future__ import annotations
 
+import itertools
+import threading
+
 import tensorflow as tf
+
+# Collective group keys are int32 and process-wide: two strategies that number their groups from
+# the same base meet in the same group ("... is joining a group with size 3, but that group has
+# size 4"). A plain MirroredStrategy numbers from its class's base, 0 unless changed, and takes a
+# few keys above it; each strategy of `mirrored_strategy` gets a range of _KEYS_PER_STRATEGY keys
+# of its own, from high in the int32 range, far from the small bases that tests set by hand.
+_FIRST_BASE = 1 << 30
+_KEYS_PER_STRATEGY = 100_000
+_LAST_BASE = (1 << 31) - 1 - _KEYS_PER_STRATEGY
+_next_range = itertools.count()
+_base_lock = threading.Lock()  # one helper call at a time sets and restores the class's base
 
 
 def mirrored_strategy(devices, cross_device_ops=None) -> tf.distribute.MirroredStrategy:
-    """A `MirroredStrategy` whose collective keys cannot collide with an earlier one's ("... is joining
-    a group with size 2, but that group has size 4"), by the PRIVATE `_collective_key_base`, as
-    TensorFlow's own tests do; the public route is one strategy per process."""
-    tf.distribute.MirroredStrategy._collective_key_base += 100_000
-    return tf.distribute.MirroredStrategy(devices, cross_device_ops=cross_device_ops)
+    """A `MirroredStrategy` over `devices` whose collective keys no other strategy of this process uses.
+
+    Without it, a second strategy over another number of devices fails inside its first step with
+    "... is joining a group with size 3, but that group has size 4". The base of the keys is the
+    PRIVATE class attribute `MirroredStrategy._collective_key_base` (TensorFlow's own tests bump it),
+    which the strategy's constructor reads, and only it: this sets it for the one construction and
+    puts the old value back, so a plain `MirroredStrategy` built later is left as it would have been.
+    The public route is one strategy per process (a new process, or a restarted kernel, for another
+    device count)."""
+    base = _FIRST_BASE + next(_next_range) * _KEYS_PER_STRATEGY
+    if base > _LAST_BASE:
+        raise RuntimeError(
+            f"mirrored_strategy: this process has built {(base - _FIRST_BASE) // _KEYS_PER_STRATEGY} strategies, "
+            "all the collective key ranges it has; restart the process (or the kernel) to build more."
+        )
+    with _base_lock:
+        saved = tf.distribute.MirroredStrategy._collective_key_base
+        tf.distribute.MirroredStrategy._collective_key_base = base
+        try:
+            return tf.distribute.MirroredStrategy(devices, cross_device_ops=cross_device_ops)
+        finally:
+            tf.distribute.MirroredStrategy._collective_key_base = saved
 
 
 # lesson: 03_nccl_allreduce
