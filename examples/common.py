@@ -301,20 +301,20 @@ class Checkpoints:
         for prefix in self.newest_first():
             try:
                 kept = json.loads(tf.train.load_checkpoint(prefix).get_tensor("settings/.ATTRIBUTES/VARIABLE_VALUE"))
-                status = self.saved.read(prefix)
-            except (tf.errors.OpError, ValueError, KeyError, json.JSONDecodeError) as err:
+            except (tf.errors.OpError, ValueError, KeyError, IndexError) as err:  # cut short, or not ours
                 print(f"checkpoint: {prefix} is damaged ({type(err).__name__}); trying an older one")
                 continue
             if other := {k: (kept.get(k), v) for k, v in settings.items() if kept.get(k) != v}:
                 said = ", ".join(f"--{k} {a} (this run: {b})" for k, (a, b) in other.items())
                 refuse(f"--checkpoint {self.folder}: {prefix} was saved with {said}; give those, or an empty folder")
             try:
-                status.assert_existing_objects_matched()
-            except AssertionError as err:
-                refuse(
-                    f"--checkpoint {self.folder}: {prefix} was saved from another model ({str(err)[:150]}); give "
-                    "the model that saved it, or an empty folder"
-                )
+                self.saved.read(prefix).assert_existing_objects_matched()
+            except (AssertionError, ValueError, tf.errors.InvalidArgumentError) as err:  # other variables or shapes
+                refuse(f"--checkpoint {self.folder}: {prefix} was saved from another model ({str(err)[:150]}); give "
+                       "the model that saved it, or an empty folder")  # fmt: skip
+            except (tf.errors.OpError, IndexError) as err:
+                print(f"checkpoint: {prefix} is damaged ({type(err).__name__}); trying an older one")
+                continue
             self.done = int(self.steps)
             print(f"checkpoint: resumed from {prefix}, {self.done} steps done")
             return

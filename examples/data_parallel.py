@@ -14,11 +14,7 @@ import keras
 import tensorflow as tf
 
 # lesson: 03_nccl_allreduce
-GROUP_KEYS = itertools.count(1 << 30)  # each all_sum's devices are a group; far above MirroredStrategy's keys
-
-
-# lesson: 03_nccl_allreduce
-INSTANCE_KEYS = itertools.count(1)  # one per all-reduce: its ops on the N devices find each other by it
+KEYS = itertools.count(1 << 30)  # an all_sum's group of devices, each all-reduce's instance: far above tf.distribute's
 
 
 # lesson: 03_nccl_allreduce
@@ -29,7 +25,7 @@ def make_all_sum(devices, nccl, timeout=300.0):
     step cancels them at once): a device that fails stops the run instead of hanging it. Each device's
     ordering token (a variable, as tf.distribute uses) makes it start its all-reduces in program order,
     the same on every device, which NCCL needs. Differentiable: batch norm's statistics pass through it."""
-    group, hint, tokens = next(GROUP_KEYS), "nccl" if nccl else "ring", []
+    group, hint, tokens = next(KEYS), "nccl" if nccl else "ring", []
     for device in devices:
         with tf.device(device):
             tokens.append(tf.Variable(0.0, trainable=False, name="ordering_token"))
@@ -48,7 +44,7 @@ def make_all_sum(devices, nccl, timeout=300.0):
         return summed(t)
 
     def build(tensors):
-        key, gradient_key, summed = next(INSTANCE_KEYS), next(INSTANCE_KEYS), []
+        key, gradient_key, summed = next(KEYS), next(KEYS), []  # the same key on every device: one all-reduce
         for t, device, token in zip(tensors, devices, tokens, strict=True):
             with tf.device(device), tf.name_scope("all_reduce"):
                 summed.append(on_device(t, token, key, gradient_key))
@@ -244,7 +240,7 @@ def synced_gradients(replicas, devices, optimizers, xs, ys, all_sum, loss_fn=cro
         with tf.device(device):
             parts.append(loss_part(replica, out, y, n * tf.shape(y)[0], n, loss_fn))  # equal shares
             scaled.append(optimizer.scale_loss(parts[-1]))
-    flat = tf.gradients(tf.add_n(scaled), [v.value for r in replicas for v in r.trainable_variables])
+    flat = tf.gradients(scaled, [v.value for r in replicas for v in r.trainable_variables])  # of their sum
     return parts, [flat[i * k : (i + 1) * k] for i in range(n)]
 
 
@@ -254,15 +250,14 @@ def make_train_step(replicas, devices, optimizers, all_sum, sync_bn=True, bucket
     """A tf.function of (iterators, k): k training steps in ONE call, each taking one share from each device's
     iterator (already on its device): each replica's part of the loss and its gradients (synced_gradients, or
     each replica alone: replica_gradients), all-reduced in buckets of bucket_bytes, applied by each replica's
-    own optimizer on its device. Returns the mean loss of the k steps. One call of k steps: the host dispatches
-    the next steps while the devices run, and reads a loss once per call."""
+    own optimizer on its device. Returns the mean loss of the k steps. One call of k steps pays the host's work
+    per call (Python, launching the function, reading the loss back) once for k steps (notebook 06)."""
     n = len(devices)
     alone = [replica_gradients(r, o, n, loss_fn, jit) for r, o in zip(replicas, optimizers, strict=True)]
 
     def one_step(iterators):
         xs, ys = zip(*(next(iterator) for iterator in iterators), strict=True)
-        scaled = isinstance(optimizers[0], keras.optimizers.LossScaleOptimizer)  # float16: it may skip a step
-        saved = [[tf.identity(v) for v in r.non_trainable_variables] if scaled else None for r in replicas]
+        saved = [statistics_before(o, r, d) for o, r, d in zip(optimizers, replicas, devices, strict=True)]
         if sync_bn:
             parts, grads = synced_gradients(replicas, devices, optimizers, xs, ys, all_sum, loss_fn)
         else:
@@ -282,12 +277,23 @@ def make_train_step(replicas, devices, optimizers, all_sum, sync_bn=True, bucket
 
     @tf.function
     def step(iterators, k):
-        total = tf.zeros([], tf.float64 if replicas[0].trainable_variables[0].dtype == "float64" else tf.float32)
-        for _ in range(k):  # autograph: a tf.while_loop for a tensor k, unrolled for a Python int
-            total += tf.cast(one_step(iterators), total.dtype)
-        return total / tf.cast(k, total.dtype)
+        with tf.device(devices[0]):  # the loss is summed and read here; each replica's ops name their own device
+            total = tf.zeros([], tf.float64 if replicas[0].trainable_variables[0].dtype == "float64" else tf.float32)
+            for _ in range(k):  # autograph: a tf.while_loop for a tensor k, unrolled for a Python int
+                total += tf.cast(one_step(iterators), total.dtype)
+            return total / tf.cast(k, total.dtype)
 
     return step
+
+
+# lesson: 04_sync_batchnorm
+def statistics_before(optimizer, replica, device):
+    """A LossScaleOptimizer's replica: its non-trainable variables (batch norm's statistics), read on its device
+    before the forward, for keep_statistics_if_skipped. None for other optimizers, which skip no step."""
+    if not isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        return None
+    with tf.device(device):
+        return [tf.identity(v) for v in replica.non_trainable_variables]
 
 
 # lesson: 04_sync_batchnorm
@@ -335,9 +341,10 @@ def mirrored_train_step(strategy, model, optimizer, loss_fn=cross_entropy, jit=F
 
     @tf.function
     def step(iterator, k):
-        total = tf.zeros([], tf.float64 if model.trainable_variables[0].dtype == "float64" else tf.float32)
-        for _ in range(k):  # autograph: a tf.while_loop for a tensor k, unrolled for a Python int
-            total += tf.cast(strategy.reduce("SUM", strategy.run(replica_step, next(iterator)), None), total.dtype)
-        return total / tf.cast(k, total.dtype)
+        with tf.device(strategy.extended.worker_devices[0]):  # the loss, summed and read on the first device
+            total = tf.zeros([], tf.float64 if model.trainable_variables[0].dtype == "float64" else tf.float32)
+            for _ in range(k):  # autograph: a tf.while_loop for a tensor k, unrolled for a Python int
+                total += tf.cast(strategy.reduce("SUM", strategy.run(replica_step, next(iterator)), None), total.dtype)
+            return total / tf.cast(k, total.dtype)
 
     return step

@@ -79,7 +79,13 @@ def parse(argv, description):
     )
     p.add_argument("--lr-batch", type=int, default=128, metavar="B", help="the global batch --lr was tuned for")
     p.add_argument("--warmup", type=int, default=0, metavar="STEPS", help="grow the rate from --lr to the scaled one")
-    p.add_argument("--timeout", type=float, default=300.0, help="seconds an all-reduce waits for every device")
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=300.0,
+        help="seconds an all-reduce waits for every device, then "
+        "the run stops (exit 3); the replicated route (MirroredStrategy takes no such option)",
+    )
     p.add_argument("--data", help="digits, or an .npz of x_train, y_train, x_test, y_test (default: Keras' MNIST)")
     p.add_argument("--seed", type=int, default=0, help="seeds the initial weights and the batches' order")
     p.add_argument("--check", action="store_true", help="compare with one device (float64); exit 1 if they differ")

@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 try:
@@ -311,3 +312,70 @@ def test_importing_tutorial_lib_hides_tensorflow_info_logs_but_not_warnings():
 def test_a_log_level_set_by_the_user_or_the_makefile_wins():
     assert _log_level_after_import(TF_CPP_MIN_LOG_LEVEL="3") == "3 False"
     assert _log_level_after_import(TF_CPP_MIN_LOG_LEVEL="0") == "0 False"
+
+
+# --- make test runs the notebooks once more under the other math library ----------------------
+
+
+def _make_test_plan(tmp_path, *args) -> str:
+    tmp_path = tmp_path / "_".join(("plan", *args))
+    tmp_path.mkdir()
+    for name in ("Makefile", "course.mk"):
+        shutil.copy(ROOT / name, tmp_path)
+    (tmp_path / "pyproject.toml").write_text("")
+    (tmp_path / ".venv").mkdir()
+    (tmp_path / ".venv" / ".installed").write_text("")  # newer than pyproject.toml: no install
+    os.utime(tmp_path / "pyproject.toml", (0, 0))
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHON", "MAKEFLAGS", "MAKELEVEL")}
+    return subprocess.run(
+        ["make", "-n", "test", *args], cwd=tmp_path, capture_output=True, text=True, env=env, check=True
+    ).stdout
+
+
+def test_make_test_runs_the_notebooks_again_with_onednn_switched(tmp_path):
+    plan = _make_test_plan(tmp_path)
+    first, flip = plan.index("pytest"), plan.index("tools/onednn_flip.py")
+    assert first < flip
+    second = plan[flip:]
+    assert "TF_ENABLE_ONEDNN_OPTS=$flip .venv/bin/python -m pytest" in second and "--nbval" in second
+    assert " tests " not in second  # the notebooks only: the unit tests ran once
+    assert "onednn_flip.py" not in _make_test_plan(tmp_path, "FLIP_ONEDNN=0")
+
+
+def _onednn_flip_tool():
+    spec = importlib.util.spec_from_file_location("onednn_flip", ROOT / "tools" / "onednn_flip.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    return tool
+
+
+@pytest.mark.parametrize("default_on", [False, True])
+def test_onednn_flip_prints_the_value_that_switches_this_runs_onednn(monkeypatch, capsys, default_on):
+    tool = _onednn_flip_tool()
+    # TensorFlow's rule, without starting it: the machine's default unless the variable says 0 or 1.
+    monkeypatch.setattr(
+        tool, "onednn_on", lambda env: {"0": False, "1": True}.get(env.get("TF_ENABLE_ONEDNN_OPTS"), default_on)
+    )
+    monkeypatch.delenv("TF_ENABLE_ONEDNN_OPTS", raising=False)
+    tool.main()
+    assert capsys.readouterr().out == ("0\n" if default_on else "1\n")
+    monkeypatch.setenv("TF_ENABLE_ONEDNN_OPTS", "0" if default_on else "1")  # a run that already flipped it
+    tool.main()
+    assert capsys.readouterr().out == ("1\n" if default_on else "0\n")
+
+
+def test_onednn_flip_prints_nothing_and_says_why_where_tensorflow_cannot_switch(monkeypatch, capsys):
+    tool = _onednn_flip_tool()
+    monkeypatch.setattr(tool, "onednn_on", lambda _env: False)  # a TensorFlow built without oneDNN
+    tool.main()
+    out, err = capsys.readouterr()
+    assert out == "" and "cannot switch it" in err
+
+
+@pytest.mark.slow
+def test_onednn_flip_asks_this_tensorflow():
+    # The tool checks in a child that its value switches oneDNN, or prints nothing and says why.
+    result = subprocess.run(
+        [sys.executable, "tools/onednn_flip.py"], cwd=ROOT, capture_output=True, text=True, timeout=600, check=True
+    )
+    assert result.stdout in ("0\n", "1\n") or (result.stdout == "" and "cannot switch it" in result.stderr), result
