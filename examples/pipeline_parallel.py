@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import keras
 import tensorflow as tf
-from pipeline_schedules import unroll
+from pipeline_schedules import stages_of, unroll
 from tensorflow.python.ops import data_flow_ops  # PRIVATE API: StagingArea (public route: prefetch_to_device)
 
 
@@ -126,7 +126,7 @@ def forward_op(run, k, m):
     """F: micro-batch m through chunk k, each layer's tape kept for the backward (only the chunk's input, where
     it recomputes), the output handed to the next chunk's device. Returns what the op made."""
     h = tf.identity(run.inputs.pop((k, m)))
-    out, taped = taped_forward(layers_of(run.chunks[k]), h, run.finish(k, m), run.split[k % len(run.split)])
+    out, taped = taped_forward(layers_of(run.chunks[k]), h, run.finish(k, m), run.split[run.lane[k]])
     run.kept[k, m] = h if run.recompute else taped
     run.added.extend(t[3] for t in taped)
     if k == len(run.chunks) - 1:
@@ -141,7 +141,7 @@ def backward_op(run, k, m):
     """B: chunk k's backward for micro-batch m, from its output's gradient (1/M on the last chunk: the loss is a
     mean of M): whole, or the input's gradient alone where the device splits its backwards (W follows). The
     input's gradient is handed to the chunk before. Returns what the op made."""
-    taped, split = run.kept.pop((k, m)), run.split[k % len(run.split)]
+    taped, split = run.kept.pop((k, m)), run.split[run.lane[k]]
     if run.recompute:
         with tf.name_scope("recompute"):
             _, taped = taped_forward(layers_of(run.chunks[k]), taped, run.finish(k, m), split)
@@ -175,23 +175,26 @@ def summed(run, k, g_vars):
 
 # lesson: 05_staging_pipeline
 def pipelined_gradients(chunks, devices, orders, x, y, loss_fn, recompute=False, wait_for_arrival=True,
-                        start_after=()):  # fmt: skip
+                        start_after=(), placement=None):  # fmt: skip
     """Build one step in the graph being traced: chunk k, on devices[k], runs its F, B and W ops in the sequence
     of `unroll(orders)`, each after EVERYTHING its device's previous op made. Returns (the batch's mean loss, per
     chunk its weight gradients summed over the M micro-batches). A device whose order holds W ops splits its
-    backwards into B and W. Every device's first op waits for `start_after`."""
+    backwards into B and W. Every device's first op waits for `start_after`. `placement[k]`: the order (device)
+    that runs chunk k, by default k mod S (ZB-V's V: pipeline_schedules.placement_of)."""
     S, K, M = len(orders), len(chunks), len({op[1] for op in orders[0]})
+    stage = stages_of(orders, placement)  # (device, its chunk c) -> the model's chunk k
     with tf.device(devices[0]):
         inputs = {(0, m): xm for m, xm in enumerate(tf.split(x, M))}
     with tf.device(devices[-1]):
         labels = tf.split(y, M)
     run = SimpleNamespace(chunks=chunks, devices=devices, M=M, inputs=inputs, recompute=recompute,
                           wait_for_arrival=wait_for_arrival, split=[any(op[0] == "W" for op in o) for o in orders],
-                          kept={}, upstream={}, waiting={}, grads=[[] for _ in chunks], losses=[], added=[],
+                          lane={k: d for (d, _), k in stage.items()}, kept={}, upstream={}, waiting={},
+                          grads=[[] for _ in chunks], losses=[], added=[],
                           finish=lambda k, m: (lambda h: loss_fn(h, labels[m])) if k == K - 1 else None)  # fmt: skip
     after = [list(start_after) for _ in range(S)]  # what each device's previous op made: its next op waits for it
-    for d, kind, m, c in unroll(orders):
-        k = c * S + d
+    for d, kind, m, c in unroll(orders, placement):
+        k = stage[d, c]
         with tf.device(devices[k]), tf.name_scope(f"stage{k}/{kind}{m}"):
             with tf.control_dependencies(after[d]):
                 start = tf.no_op(name="start")  # every op of this F, B or W waits for it
@@ -234,7 +237,7 @@ def one_optimizer_per_stage(stages, devices, make_optimizer):
 
 # lesson: 05_staging_pipeline
 def make_train_steps(chunks, devices, orders, loss_fn, learning_rate=None, optimizers=None, recompute=False,
-                     wait_for_arrival=True):  # fmt: skip
+                     wait_for_arrival=True, placement=None):  # fmt: skip
     """A `tf.function` of (xs, ys), lists of K batches: K steps in ONE call (a wave), step k+1
     starting on every device once step k is applied. Returns the K losses. Chunk k runs on devices[k]."""
 
@@ -243,7 +246,7 @@ def make_train_steps(chunks, devices, orders, loss_fn, learning_rate=None, optim
         losses, applied = [], []
         for x, y in zip(xs, ys, strict=True):  # unrolled when traced: K steps in one graph
             loss, grads = pipelined_gradients(chunks, devices, orders, x, y, loss_fn, recompute, wait_for_arrival,
-                                              applied)  # fmt: skip
+                                              applied, placement)  # fmt: skip
             applied = update_stages(chunks, devices, grads, learning_rate, optimizers)  # the next step waits for these
             losses.append(loss)
         with tf.device(devices[-1]):  # where the losses are

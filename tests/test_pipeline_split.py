@@ -13,8 +13,8 @@ from tutorial_lib import models, pipeline_graph, placement, reference, schedules
 from tutorial_lib import pipeline_split as ps
 
 GPUS = [f"/GPU:{i}" for i in range(4)]
-RUNS = [("gpipe", 1, False), ("1f1b", 1, False), ("zb_h1", 1, False), ("interleaved", 2, False),
-        ("gpipe", 1, True), ("zb_h1", 1, True), ("interleaved", 2, True)]  # fmt: skip
+RUNS = [("gpipe", 1, False), ("1f1b", 1, False), ("zb_h1", 1, False), ("interleaved", 2, False), ("zb_v", 2, False),
+        ("gpipe", 1, True), ("zb_h1", 1, True), ("interleaved", 2, True), ("zb_v", 2, True)]  # fmt: skip
 GRID = [
     (S, M, kind, recompute)
     for S in (2, 3, 4)
@@ -43,9 +43,9 @@ def batch(n=8, seed=0):
 
 def grid_pipe(devs, S, M, kind, recompute, width=8, **rule):
     """Two layers a chunk (so that each backward shows which gradients it computes), on S devices."""
-    v = 2 if kind == "interleaved" else 1
+    v = 2 if kind in ("interleaved", "zb_v") else 1
     n = 2 * S * v
-    chunks = ps.make_chunks(lambda i: layer(i, n, width), n, devs[:S], v)
+    chunks = ps.make_chunks(lambda i: layer(i, n, width), n, devs[:S], v, kind)
     return ps.SplitPipeline(chunks, devs[:S], M, schedule=kind, recompute=recompute, **rule), n
 
 
@@ -62,7 +62,7 @@ def test_every_schedule_equals_one_device_and_runs_each_devices_order_read_from_
     x, y = batches[0]
     # What each device runs, in the order the graph imposes, labelled by what each op computes: the schedule's
     # orders for this name, not the step's own (a 1F1B step under the name ZB-H1 fails here: next test).
-    v = 2 if kind == "interleaved" else 1
+    v = 2 if kind in ("interleaved", "zb_v") else 1
     assert pipeline_graph.executed_orders(pipe, x, y) == pipeline_graph.expected_labels(
         schedules.orders_of(kind, S, M, v)
     )
@@ -119,23 +119,24 @@ def test_a_keras_chunk_with_regularizers_equals_one_device(devs):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind, v, recompute", [r for r in RUNS if r[0] in ("zb_h1", "interleaved")])
+@pytest.mark.parametrize("kind, v, recompute", [r for r in RUNS if r[0] in ("zb_h1", "interleaved", "zb_v")])
 def test_each_op_and_variable_stays_on_its_chunks_device(devs, kind, v, recompute):
-    chunks = ps.make_chunks(layer, 8, devs[:2], v)
+    chunks = ps.make_chunks(layer, 8, devs[:2], v, kind)
+    lane = schedules.placement_of(kind, 2, v)
     pipe = ps.SplitPipeline(chunks, devs[:2], 4, schedule=kind, optimizer=keras.optimizers.Adam(1e-3),
                             recompute=recompute)  # fmt: skip
     x, y = batch()
     pipe.train_step(x, y)  # builds the optimizer copies
     owners = {}
     for k, (chunk, optimizer) in enumerate(zip(chunks, pipe.optimizers, strict=True)):
-        owners.setdefault(devs[k % 2], []).extend([*chunk.trainable_variables, *optimizer.variables])
+        owners.setdefault(devs[lane[k]], []).extend([*chunk.trainable_variables, *optimizer.variables])
     report = placement.audit(pipe.traced_step, x, y, owners=owners, run=True)
     assert report.ok and report.ops_checked > 100 and report.variables_checked > 40, report
-    gpu_chunks = ps.make_chunks(layer, 8, GPUS[:2], v)  # traced on /GPU:i names: no GPU needed
+    gpu_chunks = ps.make_chunks(layer, 8, GPUS[:2], v, kind)  # traced on /GPU:i names: no GPU needed
     gpu_pipe = ps.SplitPipeline(gpu_chunks, GPUS[:2], 4, 0.1, kind, recompute=recompute)
     gpu_owners = {}
     for k, chunk in enumerate(gpu_chunks):
-        gpu_owners.setdefault(GPUS[k % 2], []).extend(chunk.trainable_variables)
+        gpu_owners.setdefault(GPUS[lane[k]], []).extend(chunk.trainable_variables)
     gpu_report = placement.audit(gpu_pipe.traced_step, *gpu_pipe.check_batch(x, y), owners=gpu_owners)
     assert gpu_report.ok and gpu_report.ops_checked > 100, gpu_report
 
@@ -159,7 +160,7 @@ def test_kept_bytes_follow_the_schedule_recomputation_and_zb_h1s_merged_first_st
     x, y = batch(64)
     kept = {}
     for kind, v, recompute in RUNS + [("1f1b", 1, True)]:
-        pipe = ps.SplitPipeline(ps.make_chunks(layer, 8, devs[:2], v), devs[:2], 4, 0.0, kind, recompute=recompute)
+        pipe = ps.SplitPipeline(ps.make_chunks(layer, 8, devs[:2], v, kind), devs[:2], 4, 0.0, kind, recompute=recompute)
         kept[kind, recompute] = pipeline_graph.kept_bytes(pipe, x, y)
         assert pipeline_graph.explained_peaks(pipe, x, y) == pytest.approx(kept[kind, recompute], rel=0.05)
     first, last = devs[:2]
@@ -214,8 +215,10 @@ def test_what_cannot_run_is_refused(devs):
         ps.SplitPipeline(chunks[:2], devs[:2], 4, 0.1, "interleaved")
     with pytest.raises(ValueError, match="M a multiple of S.*use M=2 or M=4"):
         ps.SplitPipeline(chunks, devs[:2], 3, 0.1, "interleaved")
-    with pytest.raises(ValueError, match="schedule must be one of"):
+    with pytest.raises(ValueError, match="ZB-V runs two chunks per device in a V, got 1"):
         ps.SplitPipeline(chunks[:2], devs[:2], 4, 0.1, "zb_v")
+    with pytest.raises(ValueError, match="schedule must be one of"):
+        ps.SplitPipeline(chunks[:2], devs[:2], 4, 0.1, "zb_w")
     with pytest.raises(ValueError, match="7 layers do not cut into 2 devices x 2 chunks.*e.g. 8"):
         ps.make_chunks(layer, 7, devs[:2], 2)
     with tf.device(devs[0]):

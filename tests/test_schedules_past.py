@@ -147,3 +147,32 @@ def test_zb_h1_idles_a_third_of_1f1b_only_where_m_is_at_least_s(S, M, share):
         schedules.bubble_rate(schedules.schedule(S, M, "1f1b")),
     )
     assert zb / one_f_one_b == pytest.approx(share, abs=1e-3)
+
+
+@pytest.mark.parametrize("S, M", [(1, 1), (1, 3), (2, 1), (2, 3), (2, 4), (3, 2), (3, 6), (4, 5), (4, 8), (5, 12)])
+def test_zb_v_runs_each_chunks_f_b_and_w_once_in_a_v_each_w_after_its_b(S, M):
+    orders, placement = schedules.zb_v(S, M), schedules.placement_of("zb_v", S)
+    assert placement == [*range(S), *reversed(range(S))]  # device d holds stages d and 2S-1-d
+    assert schedules.stages_of(orders, placement) == {(d, c): (d if c == 0 else 2 * S - 1 - d) for d in range(S)
+                                                      for c in (0, 1)}  # fmt: skip
+    for order in orders:
+        assert sorted(order) == sorted((k, m, c) for m in range(M) for c in (0, 1) for k in "FBW")
+        assert all(order.index(("B", m, c)) < order.index(("W", m, c)) for m in range(M) for c in (0, 1))
+    assert len(schedules.unroll_split(orders, placement)) == 6 * S * M  # nothing waits forever
+    with pytest.raises(ValueError, match=f"does not give each of the {S} devices its 2 chunk"):
+        schedules.unroll_split(orders, [0] * (2 * S - 1) + [S])
+
+
+@pytest.mark.parametrize("S, M", [(2, 4), (2, 8), (3, 6), (4, 8), (4, 16), (8, 16)])
+def test_zb_v_idles_only_its_start_half_of_zb_h1_at_1f1b_memory_where_m_is_at_least_2s(S, M):
+    orders, placement = schedules.zb_v(S, M), schedules.placement_of("zb_v", S)
+    boxes = schedules.simulate(orders, 1.0, 1.0, 1.0, placement=placement)
+    for d in range(S):  # each device busy from its first op to its last: the paper's zero bubble
+        mine = [(start, start + took) for device, *_, start, took in boxes if device == d]
+        assert max(b for _, b in mine) - min(a for a, _ in mine) == pytest.approx(3 * M)
+        assert min(a for a, _ in mine) == pytest.approx(d / 2)  # it waits for d half-stage forwards
+    assert schedules.bubble_rate(orders, placement=placement) == pytest.approx((S - 1) / (6 * M))
+    assert schedules.bubble_rate(orders, placement=placement) == pytest.approx(schedules.bubble_rate(
+        schedules.zb_h1(S, M)) / 2)  # fmt: skip
+    assert [schedules.stash_split(o) for o in orders] == [2 * S] * S  # 2S half stages: 1F1B's S stages
+    assert schedules.bubble_rate(orders, 1.0, 1.0, 1.0, t_send=0.25, placement=placement) > (S - 1) / (6 * M)

@@ -66,11 +66,12 @@ class Pipeline:
         pipeline_checks.check_stages(stages, devices, learning_rate, optimizer, recompute)
         self.stages, self.devices, self.loss_fn, self.recompute = stages, devices, loss_fn, bool(recompute)
         self.micro_batches = checks.whole_number(micro_batches, "micro_batches")
-        if schedule == "interleaved":
-            raise ValueError("interleaving runs v chunks on each device: use pipeline_split.SplitPipeline(chunks, "
-                             "devices, micro_batches, schedule='interleaved') with S * v chunks.")  # fmt: skip
+        if schedule in ("interleaved", "zb_v"):
+            raise ValueError(f"{schedule} runs several chunks on each device: use pipeline_split.SplitPipeline(chunks, "
+                             f"devices, micro_batches, schedule={schedule!r}) with S * v chunks.")  # fmt: skip
         self.kind, self.orders = schedule, schedules.orders_of(schedule, len(stages), self.micro_batches)
         self.physical = devices  # the device of each lane of `orders` (SplitPipeline: each device of v chunks)
+        self.placement = None  # the lane of each chunk: k mod S (SplitPipeline's ZB-V: a V)
         self.learning_rate, self._template, self.optimizers = learning_rate, optimizer, None
         self.wait_for_arrival = (
             pipeline_checks.all_cpus(devices) if wait_for_arrival is None else bool(wait_for_arrival)
@@ -83,8 +84,13 @@ class Pipeline:
 
     def scopes(self):
         """(name scope, device) of each F, B and W of a step, in the order the step builds them (`unroll`)."""
-        S = len(self.orders)
-        return [(f"stage{c * S + d}/{kind}{m}", self.physical[d]) for d, kind, m, c in schedules.unroll(self.orders)]
+        stage = schedules.stages_of(self.orders, self.placement)
+        plan = schedules.unroll(self.orders, self.placement)
+        return [(f"stage{stage[d, c]}/{kind}{m}", self.physical[d]) for d, kind, m, c in plan]
+
+    def lanes(self):
+        """The lane (index into `orders` and `physical`) of each chunk."""
+        return {k: d for (d, _), k in schedules.stages_of(self.orders, self.placement).items()}
 
     @property
     def variables(self):
@@ -116,7 +122,8 @@ class Pipeline:
         losses, applied = [], []
         for x, y in zip(xs, ys, strict=True):
             loss, grads = pp.pipelined_gradients(self.stages, self.devices, self.orders, x, y, self.loss_fn,
-                                                 self.recompute, self.wait_for_arrival, applied)  # fmt: skip
+                                                 self.recompute, self.wait_for_arrival, applied,
+                                                 self.placement)  # fmt: skip
             updates = pp.update_stages(self.stages, self.devices, grads, self.learning_rate, self.optimizers)
             with tf.control_dependencies(updates), tf.device(self.devices[0]):
                 applied = [self.step.assign_add(1)]  # the step's last op: it counts the steps applied whole

@@ -59,10 +59,9 @@ def _segments(pipe, x, y):
     """(graph, op_steps, {device lane: [index of each of its schedule ops, in its order]}, start marker by index)."""
     graph, where, scopes = graph_of(pipe, x, y), op_steps(pipe, x, y), pipe.scopes()
     starts = {where[op.name]: op for op in graph.get_operations() if op.type == "NoOp" and op.name.endswith("/start")}
-    lanes = collections.defaultdict(list)
-    S = len(pipe.orders)
+    lanes, lane_of = collections.defaultdict(list), pipe.lanes()
     for i, (scope, _) in enumerate(scopes):
-        lanes[int(scope[5 : scope.index("/")]) % S].append(i)
+        lanes[lane_of[int(scope[5 : scope.index("/")])]].append(i)
     return graph, where, lanes, starts
 
 
@@ -205,13 +204,13 @@ def explained_peaks(pipe, x, y) -> dict[str, int]:
     along the executed order (`unroll`). Held against `kept_bytes`, it says the peak is made of these rows."""
     scopes = pipe.scopes()
     position = {scope: i for i, (scope, _) in enumerate(scopes)}
-    S, M, spans = len(pipe.orders), pipe.micro_batches, []
+    lane_of, M, spans = pipe.lanes(), pipe.micro_batches, []
     for row in kept_per_layer(pipe, x, y):
         reader_kind = row["interval"][-1]
         for m in range(M):
             first = position[f"{row['maker']}/{row['interval'][0]}{m}"]
             last = position[f"stage{row['chunk']}/{reader_kind}{m}"]
-            spans.append((pipe.physical[row["chunk"] % S], first, last, row["bytes"]))
+            spans.append((pipe.physical[lane_of[row["chunk"]]], first, last, row["bytes"]))
     return _peaks(spans, pipe.physical, len(scopes))
 
 

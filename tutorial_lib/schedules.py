@@ -15,11 +15,14 @@ from pipeline_schedules import (  # noqa: F401 (the package's names for them)
     expected,
     interleaved,
     orders_of,
+    placement_of,
     schedule,
     simulate,
+    stages_of,
     stash,
     unroll,
     zb_h1,
+    zb_v,
 )
 
 from . import checks
@@ -85,28 +88,32 @@ def _times(**times):
             raise ValueError(f"{name} must be a finite time >= 0 (t_forward > 0), got {t!r}: e.g. {name}=1.0.")
 
 
-def unroll_split(orders):
+def unroll_split(orders, placement=None):
     """`unroll` of checked orders: (device, kind, m, chunk) in an order that respects every device's order and every
     data dependency."""
-    return unroll(checked(orders))
+    return unroll(checked(orders), placement)
 
 
-def simulated_busy_idle(orders, t_forward=1.0, t_input=1.0, t_weight=1.0, *, t_send=0.0):
+def simulated_busy_idle(orders, t_forward=1.0, t_input=1.0, t_weight=1.0, *, t_send=0.0, placement=None):
     """Per device, (busy, idle) time of a step in which each op starts as soon as its inputs and its device are
     free (the take-away's `busy_idle`, its times and orders checked). t_* are a whole stage's times, split evenly
     over its chunks; a B in an order without W's is the whole backward, t_input + t_weight. t_send is the time an
     activation or its gradient takes to reach another device (zero bubble's T_comm, added per hop as in its ILP
-    constraints (4) and (5)); it delays the receiver only."""
+    constraints (4) and (5)); it delays the receiver only, where the two stages are on two devices. `placement`: the
+    device of each virtual stage (`placement_of`; ZB-V's V)."""
     _times(t_forward=t_forward, t_input=t_input, t_weight=t_weight, t_send=t_send)
-    return lesson.busy_idle(checked(orders), t_forward, t_input, t_weight, t_send)
+    return lesson.busy_idle(checked(orders), t_forward, t_input, t_weight, t_send, placement)
 
 
-def bubble_rate(orders, t_forward=1.0, t_input=1.0, t_weight=1.0, *, t_send=0.0):
+def bubble_rate(orders, t_forward=1.0, t_input=1.0, t_weight=1.0, *, t_send=0.0, placement=None):
     """The largest idle time of a device over its busy time: Megatron-LM's bubble time fraction (arXiv:2104.04473,
     sec. 2.2), (S-1)/M for 1F1B with equal stages, (S-1)/(vM) interleaved, and (S-1)/(3M) for ZB-H1 with equal F,
-    B and W where M >= S (a third of 1F1B's; with M < S more: 2/3 at S = 4, M = 1). The zero-bubble paper's "bubble
-    rate" (arXiv:2401.10241, sec. 5.3) divides the idle time by the whole step instead: pipeline_cost.bubble_rate."""
-    return max(idle / busy for busy, idle in simulated_busy_idle(orders, t_forward, t_input, t_weight, t_send=t_send))
+    B and W where M >= S (a third of 1F1B's; with M < S more: 2/3 at S = 4, M = 1), and (S-1)/(6M) for ZB-V where
+    M >= 2S (half of ZB-H1's: only its start, a half-stage forward per device, is idle). The zero-bubble paper's
+    "bubble rate" (arXiv:2401.10241, sec. 5.3) divides the idle time by the whole step instead, its cost being the
+    longest span of a stage from its first op to its last (pipeline_cost.bubble_rate), in which ZB-V has none."""
+    times = simulated_busy_idle(orders, t_forward, t_input, t_weight, t_send=t_send, placement=placement)
+    return max(idle / busy for busy, idle in times)
 
 
 def stash_split(order):
