@@ -69,8 +69,13 @@ def layer_gradients(taped_layer, wrt, g, scale):
     """One layer's tape asked for the gradients of `wrt`, given its output's gradient g and the weight `scale` of
     its added losses (1/M: the loss is the mean of M micro-batches' losses)."""
     tape, _, out, added = taped_layer
-    given = [tf.convert_to_tensor(g, out.dtype), tf.convert_to_tensor(scale, added.dtype)]  # exact: no float32 1/M
+    given = [in_dtype(g, out.dtype), in_dtype(scale, added.dtype)]
     return tape.gradient([out, added], wrt, given, unconnected_gradients=tf.UnconnectedGradients.ZERO)
+
+
+def in_dtype(value, dtype):
+    """A tensor cast to `dtype`; a Python number converted exactly (1/3 in float64 is not float32's 1/3)."""
+    return tf.cast(value, dtype) if tf.is_tensor(value) else tf.convert_to_tensor(value, dtype)
 
 
 # lesson: 05_staging_pipeline
@@ -145,7 +150,7 @@ def backward_op(run, k, m):
     if run.recompute:
         with tf.name_scope("recompute"):
             _, taped = taped_forward(layers_of(run.chunks[k]), taped, run.finish(k, m), split)
-    scale = 1 / run.M
+    scale = run.weight()  # 1/M: the loss is a mean of M
     g = run.upstream.pop((k, m)) if k < len(run.chunks) - 1 else scale
     if split:  # B alone; W later, from the tapes and each layer's output gradient
         g_in, g_outs = input_gradients(taped, g, scale, need_input=k > 0)
@@ -163,7 +168,7 @@ def backward_op(run, k, m):
 def weight_op(run, k, m):
     """W: chunk k's weight gradients for micro-batch m, from the tapes and output gradients its B left."""
     taped, g_outs = run.waiting.pop((k, m))
-    return summed(run, k, weight_gradients(layers_of(run.chunks[k]), taped, g_outs, 1 / run.M))
+    return summed(run, k, weight_gradients(layers_of(run.chunks[k]), taped, g_outs, run.weight()))
 
 
 # lesson: 05_staging_pipeline
@@ -175,12 +180,13 @@ def summed(run, k, g_vars):
 
 # lesson: 05_staging_pipeline
 def pipelined_gradients(chunks, devices, orders, x, y, loss_fn, recompute=False, wait_for_arrival=True,
-                        start_after=(), placement=None):  # fmt: skip
+                        start_after=(), placement=None, loss_scale=None):  # fmt: skip
     """Build one step in the graph being traced: chunk k, on devices[k], runs its F, B and W ops in the sequence
     of `unroll(orders)`, each after EVERYTHING its device's previous op made. Returns (the batch's mean loss, per
     chunk its weight gradients summed over the M micro-batches). A device whose order holds W ops splits its
     backwards into B and W. Every device's first op waits for `start_after`. `placement[k]`: the order (device)
-    that runs chunk k, by default k mod S (ZB-V's V: pipeline_schedules.placement_of)."""
+    that runs chunk k, by default k mod S (ZB-V's V: pipeline_schedules.placement_of). `loss_scale` (a float32
+    tensor, pipeline_global.py) multiplies every gradient, read on each chunk's device: float16's loss scaling."""
     S, K, M = len(orders), len(chunks), len({op[1] for op in orders[0]})
     stage = stages_of(orders, placement)  # (device, its chunk c) -> the model's chunk k
     with tf.device(devices[0]):
@@ -190,6 +196,7 @@ def pipelined_gradients(chunks, devices, orders, x, y, loss_fn, recompute=False,
     run = SimpleNamespace(chunks=chunks, devices=devices, M=M, inputs=inputs, recompute=recompute,
                           wait_for_arrival=wait_for_arrival, split=[any(op[0] == "W" for op in o) for o in orders],
                           lane={k: d for (d, _), k in stage.items()}, kept={}, upstream={}, waiting={},
+                          weight=(lambda: 1 / M) if loss_scale is None else (lambda: tf.identity(loss_scale) / M),
                           grads=[[] for _ in chunks], losses=[], added=[],
                           finish=lambda k, m: (lambda h: loss_fn(h, labels[m])) if k == K - 1 else None)  # fmt: skip
     after = [list(start_after) for _ in range(S)]  # what each device's previous op made: its next op waits for it

@@ -160,7 +160,9 @@ def test_kept_bytes_follow_the_schedule_recomputation_and_zb_h1s_merged_first_st
     x, y = batch(64)
     kept = {}
     for kind, v, recompute in RUNS + [("1f1b", 1, True)]:
-        pipe = ps.SplitPipeline(ps.make_chunks(layer, 8, devs[:2], v, kind), devs[:2], 4, 0.0, kind, recompute=recompute)
+        pipe = ps.SplitPipeline(
+            ps.make_chunks(layer, 8, devs[:2], v, kind), devs[:2], 4, 0.0, kind, recompute=recompute
+        )
         kept[kind, recompute] = pipeline_graph.kept_bytes(pipe, x, y)
         assert pipeline_graph.explained_peaks(pipe, x, y) == pytest.approx(kept[kind, recompute], rel=0.05)
     first, last = devs[:2]
