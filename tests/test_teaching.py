@@ -48,20 +48,9 @@ def test_the_plan_reads_each_notebooks_core_path_and_deep_dives(tmp_path):
 _spec = importlib.util.spec_from_file_location("core_path_times", ROOT / "tools" / "core_path_times.py")
 core_path_times = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(core_path_times)
-# Notebook 05 is being rewritten by others: its core path reads in about 48 minutes against 40 stated.
-TOO_LONG = {"05_staging_pipeline"}
 
 
-@pytest.mark.parametrize(
-    "path",
-    [
-        pytest.param(p, marks=pytest.mark.xfail(strict=True, reason="its Time line states less than it takes"))
-        if p.stem in TOO_LONG
-        else p
-        for p in NOTEBOOKS
-    ],
-    ids=lambda p: p.stem,
-)
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_each_core_path_can_be_read_and_its_cells_started_in_its_stated_time(path):
     """Prose, code, printed outputs and figures, at tools/core_path_times.py's stated rates, without the
     cells' run times (teacher/sessions.md adds those, measured): they must fit in the stated minutes."""
@@ -155,19 +144,9 @@ def _terms():
     return terms
 
 
-# First uses in notebook 05 that others are rewriting: each must go from this list when its
-# notebook defines the term (the test fails on a term listed here that is defined now, and on any other).
-PENDING = {
-    ("05_staging_pipeline", "PipeDream-Flush"), ("05_staging_pipeline", "loss scaling"),
-    ("05_staging_pipeline", "executor"), ("05_staging_pipeline", "recomputation"),
-    ("05_staging_pipeline", "optimizer state"),
-}  # fmt: skip
-
-
 def test_every_term_is_defined_or_pointed_to_where_the_course_first_uses_it():
     found = {tuple(part.strip() for part in line.split(":")[:2]) for line in _terms().undefined_first_uses()}
-    assert found - PENDING == set(), "a term used before its meaning: define it there or point to where it is"
-    assert PENDING - found == set(), "defined now: remove it from PENDING"
+    assert found == set(), "a term used before its meaning: define it there or point to where it is"
 
 
 def _course(folder: Path, notebooks: dict[str, list]) -> Path:
