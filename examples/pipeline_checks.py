@@ -12,7 +12,7 @@ import keras
 import numpy as np
 import pipeline_parallel as pp
 import tensorflow as tf
-from data_parallel_checks import spread, timed  # the course's timing statistic, as train_multi_gpu.py prints it
+from data_parallel_checks import spread, timed, without_random_layers  # as train_multi_gpu.py times and checks
 
 # Op types that draw random numbers: stateful ones (a new draw at each run) and stateless ones (Keras' dropout,
 # seeded from a variable that each call advances). A forward run twice (--recompute) draws twice.
@@ -55,21 +55,25 @@ def model_problem(model, x, recompute):
 
 def check(args, devices, data, program):
     """--steps pipelined steps of the run's schedule (every option as given), Adam per stage, against the same
-    model on ONE device taking Adam steps on the same batches, its gradients summed over the same micro-batches in
-    order (so that its dropout draws the same masks): the largest relative difference of the losses and weights,
-    in float64, where only a wrong method, not rounding, differs."""
+    model on ONE device taking Adam steps on the same batches (clipped by the same --clipnorm), its gradients summed
+    over the same micro-batches in order (so that its dropout draws the same masks; with --replicas each replica
+    draws its own, and the random layers are left out): the largest relative difference of the losses and every
+    replica's weights, in float64, where only a wrong method, not rounding, differs."""
     (x, y), _ = data
     floatx, policy = keras.config.floatx(), keras.config.dtype_policy()
     keras.config.set_floatx("float64")  # every model built here: float64 weights and arithmetic (the policy too:
     keras.config.set_dtype_policy("float64")  # Keras keeps the first one it made, from floatx at that time)
     try:
         run = program.build(args, devices, x.shape[1:])
-        single, optimizer = program.one_device_model(devices[0], x.shape[1:]), keras.optimizers.Adam(args.lr)
+        single = program.one_device_model(devices[0], x.shape[1:])
+        optimizer = keras.optimizers.Adam(args.lr, global_clipnorm=args.clipnorm)
         if other := {v.dtype for v in single.trainable_variables} - {"float64"}:
             common.refuse(f"--check compares in float64, and the model fixes some layers' dtype ({other}): drop it")
         for v, same in zip(single.variables, [v for chunk in run.chunks for v in chunk.variables], strict=True):
             v.assign(same)  # the same weights, and the same dropout seeds
-        step = reference_step(single, optimizer, args.micro_batches)
+        left_out = without_random_layers([c for r in run.replicas for c in r.chunks] + [single]) if len(
+            run.replicas) > 1 else ""  # fmt: skip
+        step = reference_step(single, optimizer, args.micro_batches * len(run.replicas))
         batches = iter(program.batches(x.astype(np.float64), y, args))
         differences = []
         for _ in range(args.steps):
@@ -79,15 +83,15 @@ def check(args, devices, data, program):
     finally:
         keras.config.set_floatx(floatx)
         keras.config.set_dtype_policy(policy)
-    weights = zip(
-        [v for chunk in run.chunks for v in chunk.trainable_variables], single.trainable_variables, strict=True
-    )
-    differences += [np.max(np.abs(a.numpy() - b.numpy())) / np.max(np.abs(b.numpy())) for a, b in weights]
+    for replica in run.replicas:
+        weights = zip([v for chunk in replica.chunks for v in chunk.trainable_variables], single.trainable_variables,
+                      strict=True)  # fmt: skip
+        differences += [np.max(np.abs(a.numpy() - b.numpy())) / np.max(np.abs(b.numpy())) for a, b in weights]
     worst = float(np.max(differences))  # NaN if any is: max(0.0, nan) would be 0.0
     verdict = "ok" if worst <= TOLERANCE else "they differ"
     print(
         f"check: {args.steps} steps of {run.said}, Adam per stage, against one device in float64: largest relative "
-        f"difference {worst:.2e} ({verdict}; a right pipeline differs by rounding alone, about 1e-15)"
+        f"difference {worst:.2e} ({verdict}; a right pipeline differs by rounding alone, about 1e-15){left_out}"
     )
     return {"largest_relative_difference": worst, "verdict": verdict}
 

@@ -5,11 +5,14 @@ Your model goes in make_model below, as blocks of layers; it returns LOGITS. The
 (notebook 05): each step ONE tf.function that runs the schedule's forwards and backwards on every device at once,
 one Adam per stage on its device, the next batch staged on the first device in a StagingArea (a PRIVATE TensorFlow
 API; its public route: tf.data's prefetch_to_device). pipeline_schedules.py holds the schedules (sequential, GPipe,
-1F1B, zero bubble's ZB-H1, interleaved 1F1B); pipeline_checks.py holds --check (against one device) and
---baseline. Loss, test accuracy and images/s each epoch.
+1F1B, zero bubble's ZB-H1 and ZB-V, interleaved 1F1B); pipeline_checks.py holds --check (against one device) and
+--baseline. --replicas R trains R copies of the pipeline on R groups of devices, each stage's gradients all-reduced
+among its copies, and --clipnorm clips by the norm of every stage's gradients: both with pipeline_global.py's step
+(the zero-bubble paper's post-validation). Loss, test accuracy and images/s each epoch.
 
     python train_pipelined.py [--devices /GPU:0,/GPU:1,/GPU:2] [--schedule zb_h1] [--micro-batches 6]
     python train_pipelined.py --schedule interleaved --chunks 2 --recompute
+    python train_pipelined.py --replicas 2 --clipnorm 1.0   # 6 GPUs: 2 copies of a 3-stage pipeline
     python train_pipelined.py --check --steps 5        # the same weights as one device?
 """
 
@@ -22,6 +25,7 @@ import common  # first: it imports TensorFlow with its start-up lines filtered
 import keras
 import numpy as np
 import pipeline_checks as checks
+import pipeline_global as pg
 import pipeline_parallel as pp
 import pipeline_schedules as ps
 import tensorflow as tf
@@ -77,20 +81,35 @@ def one_device_model(device, input_shape, seed=0):
 
 
 def build(args, devices, input_shape):
-    """What a run trains: the chunks (S x v, chunk k on device k mod S), one Adam per chunk on its device, the
-    orders of --schedule, and `steps`, pipeline_parallel's tf.function of lists of batches (a wave per call)."""
-    S, v = len(devices), args.chunks if args.schedule == "interleaved" else 1
-    on = [devices[k % S] for k in range(S * v)]
-    chunks = make_chunks(on, input_shape, args.seed)
-    optimizers = pp.one_optimizer_per_stage(chunks, on, lambda: keras.optimizers.Adam(args.lr))
-    orders = ps.orders_of(args.schedule, S, args.micro_batches, v)
+    """What a run trains: the chunks (S x v, on each of --replicas groups of S devices), one Adam per chunk on its
+    device, the orders of --schedule, and `steps`, a tf.function of lists of batches (a wave per call): the
+    pipeline_parallel step, or with --replicas or --clipnorm pipeline_global's."""
+    S, v = len(devices) // args.replicas, args.chunks if args.schedule in ("interleaved", "zb_v") else 1
+    where, orders = ps.placement_of(args.schedule, S, v), ps.orders_of(args.schedule, S, args.micro_batches, v)
+    make_adam = lambda: keras.optimizers.Adam(args.lr)  # noqa: E731
     wait = {"on": True, "off": False}.get(args.handoff_wait, not any("GPU" in d.upper() for d in devices))
-    steps = pp.make_train_steps(chunks, on, orders, pp.mean_cross_entropy, optimizers=optimizers,
-                                recompute=args.recompute, wait_for_arrival=wait)  # fmt: skip
-    said = (
-        f"{args.schedule}{f' ({v} chunks a device)' * (v > 1)}{', recomputed' * args.recompute}, M={args.micro_batches}"
-    )
-    return SimpleNamespace(chunks=chunks, devices=on, orders=orders, steps=steps, optimizers=optimizers, said=said)
+    replicas = pg.replicate(lambda on: make_chunks(on, input_shape, args.seed), devices, where, make_adam)
+    chunks, on, optimizers = replicas[0].chunks, replicas[0].devices, replicas[0].optimizers
+    sums = pg.stage_all_sums(replicas, nccl=distinct_gpus(devices)) if args.replicas > 1 else {}
+    if args.replicas == 1 and not args.clipnorm:
+        steps = pp.make_train_steps(chunks, on, orders, pp.mean_cross_entropy, optimizers=optimizers,
+                                    recompute=args.recompute, wait_for_arrival=wait, placement=where)  # fmt: skip
+    else:
+        wide = pg.make_replicated_train_steps(replicas, orders, pp.mean_cross_entropy, sums or None, args.clipnorm,
+                                              recompute=args.recompute, wait_for_arrival=wait,
+                                              placement=where)  # fmt: skip
+        steps = tf.function(lambda xs, ys: wide.python_function(xs, ys)[0], autograph=False)  # the losses
+    said = f"{args.schedule}{f' ({v} chunks a device)' * (v > 1)}{', recomputed' * args.recompute}"
+    said += f", M={args.micro_batches}" + f", {args.replicas} replicas" * (args.replicas > 1)
+    said += f", clipped at {args.clipnorm:g}" if args.clipnorm else ""
+    return SimpleNamespace(chunks=chunks, devices=on, orders=orders, steps=steps, optimizers=optimizers, said=said,
+                           replicas=replicas, sums=sums)  # fmt: skip
+
+
+def distinct_gpus(devices):
+    """NCCL for the all-reduces among replicas: on GPUs each its own (it refuses logical GPUs of one), else a ring."""
+    whole = len(tf.config.list_logical_devices("GPU")) == len(tf.config.list_physical_devices("GPU"))
+    return whole and all("GPU" in d.upper() for d in devices)
 
 
 def batches(x, y, args, skip=0):
@@ -150,10 +169,16 @@ def chained(run, h):
 
 def plan(args, devices, data):
     """Everything decided before any work, said, or refused with the fix: the batch, the cut, the model."""
-    (x, _), S = data[0], len(devices)
-    v = args.chunks if args.schedule == "interleaved" else 1
+    (x, _), S = data[0], len(devices) // args.replicas
+    v = args.chunks if args.schedule in ("interleaved", "zb_v") else 1
+    if len(devices) % args.replicas:
+        common.refuse(f"--replicas {args.replicas}: {len(devices)} devices do not split into {args.replicas} equal "
+                      f"pipelines; give a multiple of {args.replicas} devices")  # fmt: skip
+    if args.batch % (args.replicas * args.micro_batches):
+        common.refuse(f"--batch {args.batch}: each of {args.replicas} replicas cuts its share into {args.micro_batches}"
+                      f" micro-batches; give a multiple of {args.replicas * args.micro_batches}")  # fmt: skip
     if args.batch > len(x):
-        most = len(x) // args.micro_batches * args.micro_batches
+        most = len(x) // (args.replicas * args.micro_batches) * args.replicas * args.micro_batches
         common.refuse(f"--batch {args.batch}: the training set holds {len(x)} images; give --batch {most} or less")
     try:
         orders = ps.orders_of(args.schedule, S, args.micro_batches, v)
@@ -165,11 +190,16 @@ def plan(args, devices, data):
     keras.utils.set_random_seed(args.seed)
     if problem := checks.model_problem(one_device_model("/CPU:0", x.shape[1:], args.seed), x, args.recompute):
         common.refuse(problem)
-    bubble, ideal = ps.expected(orders)
+    bubble, ideal = ps.expected(orders, ps.placement_of(args.schedule, S, v))
     recomputed = "; each backward reruns its forward (--recompute)" * args.recompute
+    copies = f"{args.replicas} replicas of " * (args.replicas > 1)
+    summed = f"; each stage's gradients all-reduced among its {args.replicas} copies by " + (
+        "NCCL" if distinct_gpus(devices) else "a ring") if args.replicas > 1 else ""  # fmt: skip
+    clipped = f"; clipped at a global norm of {args.clipnorm:g} (post-validated)" if args.clipnorm else ""
     print(
-        f"pipeline: {S * v} stages on {devices}{f', {v} a device' * (v > 1)}; {args.schedule}, "
-        f"M={args.micro_batches} micro-batches of {args.batch // args.micro_batches}; Adam per stage{recomputed}"
+        f"pipeline: {copies}{S * v} stages on {devices}{f', {v} a device' * (v > 1)}; {args.schedule}, M="
+        f"{args.micro_batches} micro-batches of {args.batch // args.micro_batches // args.replicas}; Adam per stage"
+        f"{recomputed}{summed}{clipped}"
     )
     others = ", ".join(f"{kind} {found[0]:.0%}" for kind, found in every_bubble(S, args.micro_batches, v).items())
     print(f"bubble: with equal stages (F = B = W) each device idles {bubble:.0%} of a step, and the ideal "
@@ -183,7 +213,8 @@ def every_bubble(S, M, v):
     found = {}
     for kind in ps.EVERY_SCHEDULE:
         try:
-            found[kind] = ps.expected(ps.orders_of(kind, S, M, max(v, 2) if kind == "interleaved" else 1))
+            chunks = 2 if kind == "zb_v" else max(v, 2) if kind == "interleaved" else 1
+            found[kind] = ps.expected(ps.orders_of(kind, S, M, chunks), ps.placement_of(kind, S, chunks))
         except ValueError:  # interleaving needs M a multiple of S
             continue
     return found
@@ -194,10 +225,12 @@ def parse(argv):
     p.add_argument("--devices", help="comma-separated device names (default: 3 GPUs, or --simulate 3)")
     p.add_argument("--simulate", type=int, metavar="N", help="N logical CPU devices (default without 3 GPUs: 3)")
     p.add_argument("--schedule", choices=ps.EVERY_SCHEDULE, default="1f1b")
-    p.add_argument("--chunks", type=int, default=2, metavar="V", help="interleaved: V model chunks a device")
+    p.add_argument("--chunks", type=int, default=2, metavar="V", help="interleaved: V model chunks a device (zb_v: 2)")
     p.add_argument("--micro-batches", type=int, default=6, help="M a step; it must divide --batch")
     p.add_argument("--recompute", action="store_true", help="keep each stage's input only; rerun its forward")
-    p.add_argument("--batch", type=int, default=96, help="the global batch, cut into M micro-batches")
+    p.add_argument("--batch", type=int, default=96, help="the global batch, cut into M micro-batches per replica")
+    p.add_argument("--replicas", type=int, default=1, metavar="R", help="R copies of the pipeline (data parallel)")
+    p.add_argument("--clipnorm", type=float, help="clip by the global norm of every stage's gradients")
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--steps", type=int, help="stop after this many steps (with --check: compare so many; 5)")
     p.add_argument("--lr", type=float, default=1e-3, help="Adam's learning rate")
@@ -214,6 +247,9 @@ def parse(argv):
         (min(a.micro_batches, a.batch, a.epochs, a.steps or 1) < 1 or a.steps == 0, "--micro-batches, --batch, "
          "--epochs and --steps must be >= 1"),
         (a.chunks < 2 and a.schedule == "interleaved", f"--chunks {a.chunks}: interleaving needs 2 or more a device"),
+        (a.replicas < 1, f"--replicas {a.replicas}: give 1 or more copies of the pipeline"),
+        (a.clipnorm is not None and not 0 < a.clipnorm < float("inf"), f"--clipnorm {a.clipnorm}: give a positive "
+         "norm, e.g. 1.0"),
         (a.batch % max(a.micro_batches, 1), f"--batch {a.batch}: give a multiple of --micro-batches {a.micro_batches}"),
         (not 0 < a.lr < float("inf"), f"--lr {a.lr}: give a positive learning rate, e.g. 1e-3"),
         (a.data not in (None, "digits") and not Path(a.data or "").is_file(), f"--data {a.data}: no such file"),
@@ -230,7 +266,7 @@ def main(argv=None):
     args = parse(argv)
     keras.utils.set_random_seed(args.seed)
     data = common.load_data(args.data, smallest=8)  # the CNN pools three times by 2
-    devices = common.choose_devices(args.devices, args.simulate, want=3)
+    devices = common.choose_devices(args.devices, args.simulate, want=3 * args.replicas)
     metrics = plan(args, devices, data)
     program = SimpleNamespace(build=build, batches=batches, one_device_model=one_device_model)  # for the checks
     if args.check:
@@ -238,7 +274,9 @@ def main(argv=None):
     else:
         metrics.update(train(args, build(args, devices, data[0][0].shape[1:]), data))
         metrics.update(checks.baseline(args, devices, data, program))  # not on logical CPUs: they cannot show speed
-    said = {k: vars(args)[k] for k in ("schedule", "micro_batches", "chunks", "recompute", "batch")}
+    said = {
+        k: vars(args)[k] for k in ("schedule", "micro_batches", "chunks", "recompute", "batch", "replicas", "clipnorm")
+    }
     common.write_json(args.json, {"devices": devices, **said, **metrics})
     return 1 if metrics.get("verdict", "ok") != "ok" else 0
 

@@ -181,10 +181,46 @@ def test_the_take_away_pipeline_keeps_each_chunk_and_its_dropout_seeds_on_its_de
     from tutorial_lib import gpu_audit
 
     reports = gpu_audit.pipeline_reports(devs[:3])
-    assert len(reports) == 10 and all(r.ok and r.variables_checked > 20 for r in reports.values()), reports
+    assert len(reports) == 12 and all(r.ok and r.variables_checked > 20 for r in reports.values()), reports
     piped = gpu_audit.load("train_pipelined")
     run = piped.build(piped.parse(["--micro-batches", "2"]), devs[:3], (8, 8, 1))
     assert any("seed" in v.path for v in run.chunks[2].variables)  # the dropout's seeds: with their stage
+
+
+def _all_reduced_elsewhere(right):
+    """data_parallel.all_reduce_gradients packing and unpacking each replica's gradients on the other's device."""
+    return lambda grads, devices, all_sum, *rest: right(grads, devices[::-1], all_sum, *rest)
+
+
+def _updated_elsewhere(right):
+    """pipeline_global.device_update run on another device of the replica than its stage's."""
+
+    def device_update(rep, ks, *rest):
+        with tf.device(next(d for d in rep.physical if d != rep.devices[ks[0]])):
+            return right(rep, ks, *rest)
+
+    return device_update
+
+
+@pytest.mark.parametrize(
+    "module, name, misplace",
+    [(None, None, None), (dp, "all_reduce_gradients", _all_reduced_elsewhere),
+     (pipelined.pg, "device_update", _updated_elsewhere)],
+)  # fmt: skip
+def test_the_take_away_pipelines_replicas_all_reduce_and_update_each_stage_on_its_device(
+    devs, monkeypatch, module, name, misplace
+):
+    """train_pipelined.py --replicas 2 --clipnorm 1.0 on 4 devices, audited as gpu_check audits it: ok, and not ok
+    where a stage's all-reduce or its update is moved to another device."""
+    from tutorial_lib import gpu_audit
+
+    if module is not None:
+        monkeypatch.setattr(module, name, misplace(getattr(module, name)))
+    report = gpu_audit.replicated_pipeline_report(devs[:4], run=module is None)  # misplaced: the requests suffice
+    if module is None:
+        assert report.ok and report.variables_checked > 40 and report.ops_checked > 500, report
+    else:
+        assert not report.ok and report.misplaced, report
 
 
 def test_owners_must_be_a_dict_of_devices():

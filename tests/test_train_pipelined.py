@@ -17,7 +17,7 @@ EXAMPLE = ROOT / "examples" / "train_pipelined.py"
 _spec = importlib.util.spec_from_file_location("train_pipelined", EXAMPLE)
 example = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(example)
-checks, pp, ps, common = example.checks, example.pp, example.ps, example.common
+checks, pp, pg, ps, common = example.checks, example.pp, example.pg, example.ps, example.common
 
 
 def run(*args, timeout=600):
@@ -51,8 +51,42 @@ def test_every_schedule_passes_check_in_float64_on_the_askers_three_devices(devs
     assert float(line.split("difference ")[1].split()[0]) < 1e-12, line  # rounding alone
 
 
+@pytest.mark.parametrize(
+    "argv",
+    [["--schedule", "zb_h1", "--replicas", "2", "--clipnorm", "0.05"],
+     pytest.param(["--schedule", "zb_v", "--replicas", "2"], marks=pytest.mark.slow),
+     pytest.param(["--schedule", "1f1b", "--clipnorm", "0.05"], marks=pytest.mark.slow)],
+)  # fmt: skip
+def test_replicas_of_the_pipeline_and_clipping_across_stages_pass_check_in_float64(devs, capsys, argv):
+    """2 replicas of a 2-stage pipeline on 4 devices (each stage's gradients all-reduced among its 2 devices), the
+    global norm clipped at 0.05 (every step clipped: the digits' first gradients have norms near 1)."""
+    devices = devs[:4] if "--replicas" in argv else devs[:2]
+    common_args = ["--check", "--steps", "3", "--batch", "24", "--micro-batches", "3", "--devices", ",".join(devices)]
+    assert example.main([*common_args, *argv]) == 0
+    (line,) = _check_lines(capsys)
+    assert "(ok;" in line and float(line.split("difference ")[1].split()[0]) < 1e-12, line
+    assert ("2 replicas" in line) == ("--replicas" in argv) and ("clipped at 0.05" in line) == ("--clipnorm" in argv)
+    assert ("Dropout left out" in line) == ("--replicas" in argv)  # each replica draws its own masks
+
+
+@pytest.mark.parametrize(
+    "argv, broken, replaced",
+    [(["--replicas", "2"], "all_reduce_stages", lambda grads, _replicas, _sums: grads),
+     (["--clipnorm", "0.05"], "verdict", lambda state, _clip_norm, right=pg.verdict: right(state, None))],
+)  # fmt: skip
+def test_check_finds_replicas_that_step_on_their_share_alone_and_a_clip_left_out(
+    devs, monkeypatch, capsys, argv, broken, replaced
+):
+    monkeypatch.setattr(pg, broken, replaced)  # no all-reduce among the replicas; no clipping, the norm unread
+    devices = devs[:4] if "--replicas" in argv else devs[:2]
+    common_args = ["--check", "--steps", "2", "--batch", "24", "--micro-batches", "3", "--devices", ",".join(devices)]
+    assert example.main([*common_args, *argv]) == 1
+    (line,) = _check_lines(capsys)
+    assert "(they differ;" in line and float(line.split("difference ")[1].split()[0]) > 1e-3, line
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb_h1", "interleaved"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb_h1", "interleaved", "zb_v"])
 def test_recomputation_passes_check_for_a_model_without_dropout(devs, capsys, monkeypatch, schedule):
     monkeypatch.setattr(example, "make_model", no_dropout)
     argv = ["--check", "--steps", "2", "--batch", "12", "--micro-batches", "3", "--recompute", "--schedule", schedule]
@@ -129,9 +163,9 @@ def test_the_bubble_and_ideal_are_the_schedules_own():
     assert "interleaved" not in example.every_bubble(3, 4, 2)  # M not a multiple of S: left out, not an error
 
 
-def _refused(argv, capsys, devs):
+def _refused(argv, capsys, devs, n=3):
     with pytest.raises(SystemExit) as stop:
-        example.main([*argv, "--devices", ",".join(devs[:3]), "--check"])
+        example.main([*argv, "--devices", ",".join(devs[:n]), "--check"])
     assert stop.value.code == 2
     return capsys.readouterr().err
 
@@ -157,6 +191,8 @@ def _with_layer(layer, where=0):
          "interleaving needs M a multiple of S .* use M=3 or M=6"),
         (MAKE_MODEL, ["--schedule", "interleaved", "--chunks", "5"], "the model has 12 layers, fewer than the 15"),
         (MAKE_MODEL, ["--batch", "1500"], "the training set holds 1497 images"),
+        (MAKE_MODEL, ["--replicas", "2"], "3 devices do not split into 2 equal pipelines"),
+        (MAKE_MODEL, ["--schedule", "zb_v", "--chunks", "3"], "ZB-V runs two chunks a device in a V, got v=3"),
     ],
 )  # fmt: skip
 def test_what_the_pipeline_cannot_train_as_one_device_is_refused_before_any_work(
@@ -171,11 +207,37 @@ def test_what_the_pipeline_cannot_train_as_one_device_is_refused_before_any_work
 @pytest.mark.parametrize(
     "argv, message",
     [
+        (["--batch", "21", "--micro-batches", "3"], "each of 2 replicas cuts its share into 3 micro-batches; give a "
+         "multiple of 6"),
+        (["--batch", "1504", "--micro-batches", "4"], "the training set holds 1497 images; give --batch 1496 or less"),
+        (["--schedule", "interleaved", "--micro-batches", "3", "--batch", "24"], "--schedule interleaved on 2 devices:"
+         " interleaving needs M a multiple of S"),
+        (["--schedule", "interleaved", "--chunks", "7"], "the model has 12 layers, fewer than the 14 stages of 2 "
+         "devices x 7 chunks"),
+    ],
+)  # fmt: skip
+def test_replicas_that_cannot_share_the_batch_or_the_devices_are_refused_before_any_work(
+    devs, monkeypatch, capsys, argv, message
+):
+    """On 4 devices, 2 replicas of a 2-stage pipeline: the batch, the schedule and the cut are each replica's."""
+    monkeypatch.setattr(example, "build", lambda *_a: pytest.fail("built a model it should refuse"))
+    assert re.search(message, _refused([*argv, "--replicas", "2"], capsys, devs, n=4))
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
         (["--simulate", "17"], "--simulate: 1 to 16 devices"),
         (["--devices", "/GPU:0", "--simulate", "2"], "not both"),
         (["--batch", "10", "--micro-batches", "4"], "multiple of --micro-batches 4"),
         (["--steps", "0"], ">= 1"),
-        (["--schedule", "zb_v"], "invalid choice"),
+        (["--schedule", "zb_w"], "invalid choice"),
+        (["--replicas", "0"], "--replicas 0: give 1 or more"),
+        (["--replicas", "-2"], "--replicas -2: give 1 or more"),
+        (["--clipnorm", "0"], "--clipnorm 0.0: give a positive norm"),
+        (["--clipnorm", "-1"], "--clipnorm -1.0: give a positive norm"),
+        (["--clipnorm", "inf"], "--clipnorm inf: give a positive norm"),
+        (["--clipnorm", "nan"], "--clipnorm nan: give a positive norm"),
         (["--schedule", "interleaved", "--chunks", "1"], "interleaving needs 2 or more a device"),
         (["--lr", "-1"], "positive learning rate"),
         (["--data", "/nowhere/mnist.npz"], "no such file"),
@@ -209,4 +271,20 @@ def test_staged_training_takes_one_adam_step_a_stage_per_batch(devs):
     run = example.build(args, devs[:3], data[0][0].shape[1:])
     metrics = example.train(args, run, data)
     assert metrics["steps"] == 3 and [int(o.iterations) for o in run.optimizers] == [3, 3, 3]
+    assert np.isfinite(metrics["loss"]) and 0 <= metrics["test_accuracy"] <= 1
+
+
+def test_replicas_train_in_step_one_adam_step_a_stage_and_replica_per_batch_clipped(devs):
+    """2 replicas of 2 stages, 2 steps clipped at a norm of 1: every stage's Adam steps on every replica, and the
+    all-reduced gradients keep the replicas' weights equal though each draws its own dropout masks."""
+    args = example.parse(["--steps", "2", "--batch", "24", "--micro-batches", "3", "--replicas", "2",
+                          "--clipnorm", "1.0"])  # fmt: skip
+    data = common.load_data("digits", 8)
+    run = example.build(args, devs[:4], data[0][0].shape[1:])
+    metrics = example.train(args, run, data)
+    assert metrics["steps"] == 2 and [int(o.iterations) for r in run.replicas for o in r.optimizers] == [2] * 4
+    assert [r.physical for r in run.replicas] == [devs[:2], devs[2:4]]
+    first, second = ([v.numpy() for c in r.chunks for v in c.trainable_variables] for r in run.replicas)
+    for a, b in zip(first, second, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
     assert np.isfinite(metrics["loss"]) and 0 <= metrics["test_accuracy"] <= 1

@@ -1,7 +1,7 @@
 """The placement audit of the take-away files' steps on real devices (`gpu_check` runs it on the GPUs,
 in a child it can stop): where each op ran, for every variant of the data-parallel step that
 train_multi_gpu.py can train, and for the pipelined step of train_pipelined.py (every schedule, with and without
-recomputation).
+recomputation, and on 4 or more devices 2 replicas of a 2-stage pipeline, clipped across stages).
 
     python -m tutorial_lib.gpu_audit --devices /GPU:0,/GPU:1 [--json PATH]
 
@@ -64,31 +64,62 @@ def data_parallel_reports(devices) -> dict:
 
 def pipeline_reports(devices, examples: Path = EXAMPLES) -> dict:
     """The audit of one step of train_pipelined.py on up to 3 of `devices`, for every schedule it runs, with and
-    without recomputation (on the model without its dropout, which recomputation refuses): {name: report}."""
+    without recomputation (on the model without its dropout, which recomputation refuses), and on 4 or more devices
+    its replicated, clipped step (replicated_pipeline_report): {name: report}."""
     import keras
+
+    piped, on = load("train_pipelined", examples), list(devices[:3])
+    with_dropout = piped.make_model
+    without = lambda: [[x for x in b if not isinstance(x, keras.layers.Dropout)] for b in with_dropout()]  # noqa: E731
+    reports = {}
+    try:
+        for schedule in piped.ps.EVERY_SCHEDULE:
+            for recompute in (False, True):
+                piped.make_model = without if recompute else with_dropout
+                name = f"pipelined step ({schedule}{', recomputed' * recompute})"
+                reports[name] = pipelined_report(piped, on, ["--schedule", schedule] + ["--recompute"] * recompute)
+    finally:
+        piped.make_model = with_dropout
+    if len(devices) >= 4:
+        reports["pipelined step (zb_h1, 2 replicas, clipped)"] = replicated_pipeline_report(devices[:4], examples)
+    return reports
+
+
+def replicated_pipeline_report(devices, examples: Path = EXAMPLES, run: bool = True):
+    """The audit of train_pipelined.py's step with --replicas 2 --clipnorm 1.0 (pipeline_global's) on 4 `devices`:
+    2 replicas of a 2-stage ZB-H1 pipeline, each stage's all-reduce and update with its replica's stage."""
+    piped = load("train_pipelined", examples)
+    options = ["--schedule", "zb_h1", "--replicas", "2", "--clipnorm", "1.0", "--micro-batches", "4"]  # 4 a replica
+    return pipelined_report(piped, devices, options, run)
+
+
+def pipelined_report(piped, devices, options, run: bool = True):
+    """The audit of one step of train_pipelined.py (`piped`, loaded) built with `options` on `devices`: each
+    chunk's ops, optimizer and all-reduce with its device; run, or read from the graph's requests (run=False)."""
     import numpy as np
     import tensorflow as tf
 
     from . import placement
 
-    piped, on = load("train_pipelined", examples), list(devices[:3])
-    with_dropout = piped.make_model
-    without = lambda: [[x for x in b if not isinstance(x, keras.layers.Dropout)] for b in with_dropout()]  # noqa: E731
-    x = tf.random.stateless_normal([8 * len(on), 8, 8, 1], [0, 2])
-    y = tf.constant(np.arange(8 * len(on)) % 10, tf.int32)
-    reports = {}
-    for schedule in piped.ps.EVERY_SCHEDULE:
-        for recompute in (False, True):
-            piped.make_model = without if recompute else with_dropout
-            argv = ["--schedule", schedule, "--micro-batches", str(2 * len(on)), "--batch", str(8 * len(on))]
-            run = piped.build(piped.parse(argv + ["--recompute"] * recompute), on, (8, 8, 1))
-            owners = {}
-            for chunk, optimizer, device in zip(run.chunks, run.optimizers, run.devices, strict=True):
-                owners.setdefault(device, []).extend([*chunk.variables, *optimizer.variables])
-            name = f"pipelined step ({schedule}{', recomputed' * recompute})"
-            reports[name] = placement.audit(run.steps, [x], [y], owners=owners, run=True)
-    piped.make_model = with_dropout
-    return reports
+    n = 8 * len(devices)
+    x, y = tf.random.stateless_normal([n, 8, 8, 1], [0, 2]), tf.constant(np.arange(n) % 10, tf.int32)
+    argv = ["--micro-batches", str(2 * len(devices)), "--batch", str(n), *options]  # options last: they win
+    built = piped.build(piped.parse(argv), list(devices), (8, 8, 1))
+    return placement.audit(built.steps, [x], [y], owners=pipeline_owners(built), run=run)
+
+
+def pipeline_owners(run) -> dict:
+    """{device: variables} of a train_pipelined.py run: each replica's chunks and optimizers, and the ordering token
+    of each device's all-reduces among the replicas."""
+    owners = {}
+    for replica in run.replicas:
+        for chunk, optimizer, device in zip(replica.chunks, replica.optimizers, replica.devices, strict=True):
+            owners.setdefault(device, []).extend([*chunk.variables, *optimizer.variables])
+    for k, all_sum in run.sums.items():
+        for replica, token in zip(run.replicas, all_sum.tokens, strict=True):
+            if all(token is not t for t in owners[replica.devices[k]]):
+                owners[replica.devices[k]].append(token)
+    return owners
 
 
 def devices_problem(devices) -> str | None:
