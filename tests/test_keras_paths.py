@@ -123,9 +123,9 @@ def test_replicated_step_runs_dropout_in_training_mode(devs, batches):
 
 
 def distributed(mirrored, x, y):
-    """The batch (x, y) cut into the replicas' shares as tf.distribute does (a short batch unevenly)."""
-    ((dist_x, dist_y),) = mirrored.experimental_distribute_dataset(tf.data.Dataset.from_tensors((x, y)))
-    return dist_x, dist_y
+    """An iterator of the one batch (x, y), cut into the replicas' shares as tf.distribute does (a short batch
+    unevenly): the step's argument, with k = 1."""
+    return iter(mirrored.experimental_distribute_dataset(tf.data.Dataset.from_tensors((x, y))))
 
 
 def test_mirrored_step_trains_a_keras_model_with_synchronized_bn_like_one_device(devs, batches):
@@ -137,7 +137,7 @@ def test_mirrored_step_trains_a_keras_model_with_synchronized_bn_like_one_device
     step = strategy.mirrored_train_step(mirrored, model, sgd)
     losses = []
     for x, y in batches:
-        losses.append(float(step(*distributed(mirrored, x, y))))
+        losses.append(float(step(distributed(mirrored, x, y), 1)))
     expected = keras_model(dropout=False)
     np.testing.assert_allclose(losses, one_device_loop(expected, batches), rtol=1e-5)
     assert_same_state(model, expected)
@@ -151,7 +151,7 @@ def test_mirrored_step_divides_a_short_batch_by_the_examples_it_holds(devs, batc
         sgd = keras.optimizers.SGD(LR)
     step = strategy.mirrored_train_step(mirrored, model, sgd)
     x, y = (t[:10] for t in batches[0])
-    loss = float(step(*distributed(mirrored, x, y)))
+    loss = float(step(distributed(mirrored, x, y), 1))
     expected = keras_model(batch_norm=False, dropout=False)
     np.testing.assert_allclose([loss], one_device_loop(expected, [(x, y)]), rtol=1e-5)
     assert_same_state(model, expected)

@@ -155,11 +155,9 @@ def _terms():
     return terms
 
 
-# First uses in notebooks 03 and 05 that others are rewriting: each must go from this list when its
+# First uses in notebook 05 that others are rewriting: each must go from this list when its
 # notebook defines the term (the test fails on a term listed here that is defined now, and on any other).
 PENDING = {
-    ("03_nccl_allreduce", "alpha"), ("03_nccl_allreduce", "chunks"), ("03_nccl_allreduce", "tensorpack"),
-    ("03_nccl_allreduce", "NVLink"), ("03_nccl_allreduce", "loss scaling"),
     ("05_staging_pipeline", "PipeDream-Flush"), ("05_staging_pipeline", "loss scaling"),
     ("05_staging_pipeline", "executor"), ("05_staging_pipeline", "recomputation"),
     ("05_staging_pipeline", "optimizer state"),

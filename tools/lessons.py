@@ -1,14 +1,18 @@
-"""Lessons: code that a notebook defines in a cell, with checked copies in the package and examples.
+"""Lessons: code that a notebook defines in a cell, the same in the take-away files and the package.
 
-    python tools/lessons.py            list the copies that differ from their notebook (exit 1 if any)
-    python tools/lessons.py --write    rewrite those copies from their notebooks (or: make lessons)
+    python tools/lessons.py            list the definitions that differ from their notebook's (exit 1 if any)
+    python tools/lessons.py --write    make them equal again (or: make lessons)
 
-The notebook is the one source of truth. A copy is the top-level function, class or
-assignment that follows a line `# lesson: NN_name` in a .py file of tutorial_lib/ or
-examples/, where notebooks/NN_name.ipynb defines the same name in one of its code cells. A
-copy must be that definition to the letter of its syntax tree, docstring included (comments
-and formatting may differ), so that an edit of the cell, or of the copy alone, fails
-`make unit` in seconds instead of drifting until a full run (tests/test_lessons.py).
+A marked definition is the top-level function, class or assignment that follows a line
+`# lesson: NN_name` in a .py file of examples/ or tutorial_lib/, where notebooks/NN_name.ipynb
+defines the same name in one of its code cells. Both must be the same to the letter of their
+syntax tree, docstring included (comments and formatting may differ), so that an edit of one
+alone fails `make unit` in seconds instead of drifting until a full run (tests/test_lessons.py).
+
+Which side is the source: the take-away files (examples/) hold the one copy of each method
+that a reader copies and the programs train, so `--write` rewrites the notebook's cell from
+them; for a lesson that only the package keeps (the hand-built ring, the float64 step), the
+notebook is the source and `--write` rewrites the package's copy.
 """
 
 from __future__ import annotations
@@ -142,13 +146,52 @@ def drifted(root: Path = ROOT) -> list[tuple[Copy, Definition]]:
     return [(c, o) for c in copies(root) if (o := original(c, root)).tree != c.definition.tree]
 
 
-def write(pairs) -> None:
-    """Replace each copy's text by its notebook's definition (the last copies in a file first)."""
+def write(pairs, root: Path = ROOT) -> None:
+    """Make each pair equal: a take-away file's definition into its notebook's cell, a notebook's definition into
+    the package's copy (the last copies in a file first)."""
     for copy, definition in sorted(pairs, key=lambda p: (str(p[0].path), -p[0].first)):
+        if copy.path.parent.name == "examples":
+            _write_cell(root / "notebooks" / f"{copy.notebook}.ipynb", copy.definition)
+            continue
         lines = copy.path.read_text().splitlines(keepends=True)
         text = definition.source if definition.source.endswith("\n") else definition.source + "\n"
         lines[copy.first - 1 : copy.last] = [text]
         copy.path.write_text("".join(lines))
+
+
+def _write_cell(path: Path, definition: Definition) -> None:
+    """Replace the notebook's own definition of `definition.name` by `definition`'s text, in its code cell."""
+    notebook = json.loads(path.read_text())
+    for cell in notebook["cells"]:
+        if cell["cell_type"] != "code":
+            continue
+        source = _cell_source(cell)
+        found = [node for node, d in _definitions(source) if d.name == definition.name]
+        if found:
+            text = "".join(cell["source"])
+            lines = text.splitlines(keepends=True)
+            offset = _magic_lines_before(text, _first_line(found[0]))
+            first, last = _first_line(found[0]) + offset, found[0].end_lineno + offset
+            new = definition.source if definition.source.endswith("\n") else definition.source + "\n"
+            if last == len(lines) and not text.endswith("\n"):
+                new = new.rstrip("\n")
+            lines[first - 1 : last] = [new]
+            cell["source"] = "".join(lines).splitlines(keepends=True)
+            path.write_text(json.dumps(notebook, indent=1, ensure_ascii=False) + "\n")
+            return
+
+
+def _magic_lines_before(text: str, line: int) -> int:
+    """How many magic or shell lines (left out by _cell_source) come before the `line`-th line that is kept."""
+    skipped = kept = 0
+    for raw in text.splitlines():
+        if raw.lstrip().startswith(("%", "!")):
+            skipped += 1
+            continue
+        kept += 1
+        if kept == line:
+            break
+    return skipped
 
 
 def main(argv=None) -> int:
@@ -164,7 +207,7 @@ def main(argv=None) -> int:
         print(f"{copy.path.relative_to(ROOT)}:{copy.first}: {copy.definition.name} differs from {copy.notebook}.ipynb")
     if args.write and pairs:
         write(pairs)
-        print(f"rewrote {len(pairs)} copies from their notebooks")
+        print(f"rewrote {len(pairs)} definitions: notebook cells from examples/, the package's copies from notebooks")
         return 0
     print(f"{len(copies())} copies checked, {len(pairs)} differ" + ("; make lessons rewrites them" if pairs else ""))
     return 1 if pairs else 0

@@ -88,3 +88,10 @@ def stop_filtering_stderr() -> None:
 
 
 _filter_stderr()
+
+# The take-away folder's method files (examples/data_parallel.py, examples/pipeline_parallel.py...) are the one
+# copy of the methods that the notebooks teach: the package imports them by their own names, as the take-away's
+# programs do, with the folder at the END of the import path, so that it can shadow nothing installed.
+TAKE_AWAY = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
+if TAKE_AWAY not in sys.path:
+    sys.path.append(TAKE_AWAY)

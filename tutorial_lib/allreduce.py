@@ -1,5 +1,5 @@
 """All-reduce: notebook 03's lessons (central, ring, NCCL, `allreduce_grads`), the checked entry
-`all_reduce`, gradient packing into buckets, and `nccl_version`.
+`all_reduce`, gradient packing into buckets (the take-away's), and `nccl_version`.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import itertools
 import os
 from dataclasses import dataclass
 
+import data_parallel
 import tensorflow as tf
 
 from . import checks
@@ -221,42 +222,22 @@ def all_reduce(tensors, method: str = "ring", average: bool = False, devices=Non
 # --- packing many small gradients into few large ones ------------------------------------
 
 
-def buckets(tensors, max_bytes: int) -> list[list[int]]:
-    """Consecutive tensor indices in buckets of at most `max_bytes` each (a larger tensor alone), one dtype each."""
-    max_bytes = checks.whole_number(max_bytes, "max_bytes")
-    groups, size = [], 0
-    for i, t in enumerate(tensors):
-        nbytes = t.shape.num_elements() * t.dtype.size
-        if groups and size + nbytes <= max_bytes and t.dtype == tensors[groups[-1][0]].dtype:
-            groups[-1].append(i)
-            size += nbytes
-        else:
-            groups.append([i])
-            size = nbytes
-    return groups
-
-
 def packed_allreduce_grads(all_grads, max_bytes: int, average: bool = True, method: str = "ring", devices=None):
-    """`allreduce_grads` with each tower's gradients packed into buckets: one all-reduce per bucket.
-    Inside a `tf.function`, pass `devices` (one per tower): a tensor's device is not known there."""
-    if any(g is None for g in all_grads[0]):
-        raise ValueError("packing needs every gradient; drop the variables whose gradient is None first.")
-    devices = devices or [grads[0].device for grads in all_grads]
-    groups = buckets(all_grads[0], max_bytes)
-    packed = []  # K towers x B buckets, each a vector on its tower's device
-    for grads, d in zip(all_grads, devices, strict=True):
-        with tf.device(d):
-            packed.append([tf.concat([tf.reshape(grads[j], [-1]) for j in group], 0) for group in groups])
-    reduced = allreduce_grads(packed, average=average, method=method, devices=devices)
+    """`allreduce_grads` with each tower's gradients packed into buckets of at most `max_bytes`: one all-reduce per
+    bucket, by `method`. The packing is the take-away's (`data_parallel.all_reduce_gradients`: from the last
+    gradient, 16-bit ones summed in float32, each back in its own dtype, None ones left None). Inside a
+    `tf.function`, pass `devices` (one per tower): a tensor's device is not known there."""
+    max_bytes = checks.whole_number(max_bytes, "max_bytes")
+    devices = devices or [next(g for g in grads if g is not None).device for grads in all_grads]
+    summed = data_parallel.all_reduce_gradients(
+        all_grads, devices, lambda tensors: all_reduce(tensors, method=method, devices=devices), max_bytes
+    )
+    if not average:
+        return summed
     out = []
-    for vectors, d in zip(reduced, devices, strict=True):
-        tower = [None] * len(all_grads[0])
+    for grads, d in zip(summed, devices, strict=True):
         with tf.device(d):
-            for group, vector in zip(groups, vectors, strict=True):
-                sizes = [all_grads[0][j].shape.num_elements() for j in group]
-                for j, piece in zip(group, tf.split(vector, sizes), strict=True):
-                    tower[j] = tf.reshape(piece, all_grads[0][j].shape)
-        out.append(tower)
+            out.append([None if g is None else g / len(all_grads) for g in grads])
     return out
 
 

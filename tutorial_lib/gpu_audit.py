@@ -1,5 +1,6 @@
 """The placement audit of the take-away files' steps on real devices (`gpu_check` runs it on the GPUs,
-in a child it can stop): where each op of the synchronized-BN step and of the pipelined step ran.
+in a child it can stop): where each op ran, for every variant of the data-parallel step that
+train_multi_gpu.py can train, and for the pipelined step.
 
     python -m tutorial_lib.gpu_audit --devices /GPU:0,/GPU:1 [--json PATH]
 
@@ -26,23 +27,38 @@ def load(name: str, examples: Path = EXAMPLES):
     return module
 
 
-def sync_bn_report(devices, examples: Path = EXAMPLES):
-    """The audit of one step of train_multi_gpu.py's replicated path (NCCL where it runs) on `devices`."""
-    import keras
+# Every variant of the step that train_multi_gpu.py's train() can run, by its command line's options.
+DATA_PARALLEL_VARIANTS = {
+    "sync BN, buckets": ["--bn", "sync"],
+    "local BN, one all-reduce per gradient": ["--bn", "local", "--bucket-mb", "0"],
+    "local BN, XLA": ["--bn", "local", "--jit"],
+    "bfloat16, sync BN": ["--precision", "bfloat16", "--bn", "sync"],
+    "float16, sync BN": ["--precision", "float16", "--bn", "sync"],
+    "MirroredStrategy": ["--strategy", "mirrored"],
+}
+
+
+def data_parallel_reports(devices) -> dict:
+    """{variant: the audit of one call of train_multi_gpu.py's step, as its build() makes it, run on `devices`}."""
+    import multi_gpu_cli as cli  # noqa: I001 (the take-away's, on the path tutorial_lib sets)
     import numpy as np
     import tensorflow as tf
+    import train_multi_gpu as program
 
     from . import placement
 
-    multi = load("train_multi_gpu", examples)
-    method, _ = multi.all_reduce_method(devices)
-    replicas = multi.make_replicas(lambda: multi.make_cnn((8, 8, 1)), devices)
-    optimizers = multi.replica_optimizers(replicas, devices, lambda: keras.optimizers.Adam(1e-3))
-    step = multi.make_sync_bn_train_step(replicas, devices, optimizers, method)
-    owners = {d: [*r.variables, *o.variables] for d, r, o in zip(devices, replicas, optimizers, strict=True)}
-    x = tf.random.stateless_normal([8 * len(devices), 8, 8, 1], [0, 1])
-    y = tf.constant(np.arange(8 * len(devices)) % 10, tf.int32)
-    return placement.audit(step, x, y, owners=owners, run=True)
+    rng = np.random.default_rng(0)
+    x, y = rng.random((16 * len(devices), 8, 8, 1), dtype=np.float32), rng.integers(0, 10, 16 * len(devices))
+    data = ((x, y.astype(np.int32)), (x, y.astype(np.int32)))
+    reports = {}
+    for name, options in DATA_PARALLEL_VARIANTS.items():
+        args = cli.parse([*options, "--devices", ",".join(devices), "--batch", str(8 * len(devices))], "")
+        program.plan(args, devices, data)
+        with cli.precision(args.precision):
+            run = program.build(args, devices, x.shape[1:])
+        reports[name] = placement.audit(run.step, run.feed(*data[0]), 1, owners=run.owners, run=True)
+        tf.keras.backend.clear_session()
+    return reports
 
 
 def pipeline_report(devices, examples: Path = EXAMPLES):
@@ -95,7 +111,8 @@ def main(argv=None) -> int:
     devices = [d.strip() for d in args.devices.split(",")]
     if problem := devices_problem(devices):  # exit 2 before any work: 1 says the audit found a misplaced op
         parser.error(problem)
-    reports = {"sync-BN step": sync_bn_report(devices), "pipelined step": pipeline_report(devices)}
+    reports = {f"data-parallel step, {name}": r for name, r in data_parallel_reports(devices).items()}
+    reports["pipelined step"] = pipeline_report(devices)
     for name, report in reports.items():
         print(f"{name}: {report}")
     misplaced = sum(len(r.misplaced) for r in reports.values())

@@ -1,43 +1,16 @@
-"""Replicated data parallelism (notebook 03's lessons): a model copy per device, gradients
-all-reduced, every copy updated; `update_ratio`/`update_gap` compare a move with a reference's.
+"""Replicated data parallelism (notebook 03's lessons): a model copy per device (the take-away's
+`make_replicas` and `replica_optimizers`), gradients all-reduced by tensorpack's `allreduce_grads`, every
+copy updated; `update_ratio`/`update_gap` compare a move with a reference's.
 """
 
 from __future__ import annotations
 
 import numpy as np
 import tensorflow as tf
+from data_parallel import make_replicas, replica_optimizers  # noqa: F401 (the take-away's: one copy)
 
 from . import checks, models
 from .allreduce import allreduce_grads
-
-
-# lesson: 03_nccl_allreduce
-def make_replicas(make_model, devices):
-    """One model per device, made under its device (every variable, Keras' dropout seed state too, is created
-    there), all with the first one's initial weights (the broadcast). Keras' seed state is not copied: each
-    replica draws its own dropout masks, as each GPU's share of the batch should."""
-    replicas = []
-    for device in devices:
-        with tf.device(device):
-            replicas.append(make_model())
-    for replica in replicas[1:]:
-        weights = getattr(replica, "weights", replica.variables)  # a Keras model's weights leave out seed states
-        for v, first in zip(weights, getattr(replicas[0], "weights", replicas[0].variables), strict=True):
-            v.assign(first)
-    return replicas
-
-
-# lesson: 03_nccl_allreduce
-def replica_optimizers(replicas, devices, make_optimizer):
-    """One optimizer per replica, made and built under the replica's device: its step counter, its learning
-    rate and its slots (Adam's m and v) live beside the replica's weights, not on the default device."""
-    optimizers = []
-    for replica, device in zip(replicas, devices, strict=True):
-        with tf.device(device):
-            optimizer = make_optimizer()
-            optimizer.build(replica.trainable_variables)
-        optimizers.append(optimizer)
-    return optimizers
 
 
 # lesson: 03_nccl_allreduce

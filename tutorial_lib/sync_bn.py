@@ -1,12 +1,15 @@
 """Synchronized batch norm (notebook 04): the global batch's mean and variance from one all-reduce
-of every device's (count, mean, centred sum of squares), merged by Chan et al.'s formula.
+of every device's (count, mean, centred sum of squares), merged by Chan et al.'s formula (the take-away's
+`data_parallel.local_moments` and `combine_moments`), for hand-built towers and `MirroredStrategy`.
 """
 
 from __future__ import annotations
 
 import numbers
 
+import data_parallel
 import tensorflow as tf
+from data_parallel import combine_moments
 
 from . import allreduce, checks
 from .devices import normalize
@@ -23,30 +26,15 @@ def _check_tensor(x) -> None:
 
 
 def local_moments(x):
-    """[count, mean (C), centred sum of squares (C)] of one device's batch over all but the last
-    axis, in float64; an empty batch gives zeros (it contributes nothing)."""
-    axes = list(range(x.shape.rank - 1))
-    x64 = tf.cast(x, tf.float64)
-    count = tf.cast(tf.reduce_prod([tf.shape(x)[a] for a in axes]), tf.float64)
-    mean = tf.math.divide_no_nan(tf.reduce_sum(x64, axes), count)  # 0, not NaN, for an empty batch
-    centred = tf.reduce_sum(tf.square(x64 - mean), axes)
-    return tf.concat([[count], mean, centred], 0)
+    """[count, mean (C), centred sum of squares (C)] of one device's batch over all but the last axis, in
+    float64: the take-away's `data_parallel.local_moments` of the input in float64."""
+    return data_parallel.local_moments(tf.cast(x, tf.float64))
 
 
 def _in_slot(row, index, n: int):
     """`row` as row `index` of an n-row matrix of zeros: summing n of these gathers the rows,
     bit for bit (adding zeros is exact), as PyTorch's SyncBatchNorm gathers its statistics."""
     return tf.pad(row[None], [[index, n - 1 - index], [0, 0]])
-
-
-def combine_moments(rows):
-    """(count, mean, variance) in float64 of the union of the batches whose `local_moments` are `rows`."""
-    features = (rows.shape[-1] - 1) // 2
-    counts, means, centred = rows[:, :1], rows[:, 1 : 1 + features], rows[:, 1 + features :]
-    count = tf.reduce_sum(counts)
-    mean = tf.math.divide_no_nan(tf.reduce_sum(counts * means, 0), count)
-    m2 = tf.reduce_sum(centred, 0) + tf.reduce_sum(counts * tf.square(means - mean), 0)
-    return count, mean, tf.math.divide_no_nan(m2, count)
 
 
 def _check_batches(xs) -> None:

@@ -100,11 +100,8 @@ def _mirrored_step(devs, hidden, x, y):
     with strategy.scope():
         net, sgd = models.MLP(hidden=hidden), tf.keras.optimizers.SGD(LEARNING_RATE)
     step = mirrored_train_step(strategy, net, sgd)
-    k = len(devs)
-    dist = strategy.experimental_distribute_values_from_function(
-        lambda ctx: (tf.split(x, k)[ctx.replica_id_in_sync_group], tf.split(y, k)[ctx.replica_id_in_sync_group])
-    )
-    return lambda _x, _y: step(*dist)
+    batches = iter(strategy.experimental_distribute_dataset(tf.data.Dataset.from_tensors((x, y)).repeat()))
+    return lambda _x, _y: step(batches, tf.constant(1))  # the strategy splits each batch over the replicas
 
 
 def strong_scaling(devs, hidden=(256, 256), global_batch=512, repeats=15, steps_per_call=1) -> list[dict]:
