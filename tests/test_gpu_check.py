@@ -127,13 +127,14 @@ def test_every_gpu_count_gets_a_batch_it_divides(gpus):
 
 def test_file_runs_check_every_gpu_and_the_pipeline_on_at_most_three():
     runs = gpu_check.file_runs(4)
-    assert [r.file for r in runs] == ["train_multi_gpu.py"] * 6 + ["train_pipelined.py"] * 3
+    assert [r.file for r in runs] == ["train_multi_gpu.py"] * 6 + ["train_pipelined.py"] * 5
     assert all("--check" in r.args and "/GPU:3" in r.args[r.args.index("--devices") + 1] for r in runs[:5])
     assert runs[2].args[-3:] == ("--jit", "--bn", "local")  # XLA compiles no sync BN: local
     assert [r.args[-1] for r in runs[3:5]] == ["bfloat16", "float16"]
     assert "--check" not in runs[5].args and "/GPU:3" in runs[5].args[runs[5].args.index("--devices") + 1]
+    assert [r.args[r.args.index("--schedule") + 1] for r in runs[6:9]] == ["1f1b", "zb_h1", "interleaved"]
     assert all(r.args[r.args.index("--devices") + 1] == "/GPU:0,/GPU:1,/GPU:2" for r in runs[6:])
-    assert [r.args[-1] for r in runs[7:]] == ["on", "off"] and all(r.args[1] == "20" for r in runs[6:])
+    assert [r.args[-1] for r in runs[9:]] == ["on", "off"] and all(r.args[1] == "20" for r in runs[6:])
 
 
 @pytest.mark.parametrize("gpus", [0, 1])
@@ -186,7 +187,7 @@ def test_a_missing_file_is_missing_the_others_still_run_and_the_temporary_folder
     monkeypatch.setattr(gpu_check, "xla_gpu_problem", lambda _timeout: None)
     results = gpu_check.run_files(2, 30, examples)
     assert list((tmp_path / "temp").iterdir()) == []  # the runs' JSON files went with their folder
-    assert [r.status for r in results] == ["missing"] * 6 + ["pass", "pass", "pass", "measured"]
+    assert [r.status for r in results] == ["missing"] * 6 + ["pass"] * 5 + ["measured"]
     assert "train_multi_gpu.py is not there" in results[0].detail
     assert results[-1].detail.startswith("on 12.5 ms, off 12.5 ms")
     assert gpu_check.exit_status(results) == 0
@@ -237,7 +238,7 @@ def test_the_audit_child_reports_every_op_with_its_owner_on_logical_devices(devs
     counts = json.loads(out.read_text())
     assert counts["misplaced"] == 0 and counts["ops_checked"] > 1000 and counts["variables_checked"] > 50
     printed = capsys.readouterr().out
-    assert printed.count("data-parallel step, ") == 6 and "pipelined step: placement:" in printed
+    assert printed.count("data-parallel step, ") == 6 and "pipelined step (zb_h1, recomputed): placement:" in printed
     result = gpu_check.finished("audit", 1, {**counts, "misplaced": 3})
     assert result.status == "fail" and result.detail.endswith("3 misplaced")
     assert gpu_check.run_audit(1, 5) == []  # one GPU: nothing to audit across

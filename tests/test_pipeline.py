@@ -48,10 +48,14 @@ def graph_of(pipe, x, y):
 # --- the one-graph step equals the single-device step ---------------------------------------
 
 
-@pytest.mark.parametrize("kind, micro_batches", [("gpipe", 1), ("sequential", 4), ("gpipe", 4), ("1f1b", 4)])
-def test_every_schedule_equals_the_single_device_step(devs, batch, kind, micro_batches):
+@pytest.mark.parametrize(
+    "kind, micro_batches, recompute",
+    [("gpipe", 1, False), ("sequential", 4, False), ("gpipe", 4, False), ("1f1b", 4, False), ("zb_h1", 4, False),
+     ("1f1b", 4, True), ("zb_h1", 2, True)],
+)  # fmt: skip
+def test_every_schedule_equals_the_single_device_step(devs, batch, kind, micro_batches, recompute):
     x, y = batch
-    pipe = pipeline.Pipeline(mlp_stages(devs[:3]), devs[:3], micro_batches, learning_rate=0.5, schedule=kind)
+    pipe = pipeline.Pipeline(mlp_stages(devs[:3]), devs[:3], micro_batches, 0.5, kind, recompute=recompute)
     single = models.Sequential(mlp_stages())
     for _ in range(2):  # two steps: the second starts from the first one's update
         assert_same_step(pipe, single, x, y, 0.5)
@@ -105,11 +109,8 @@ def test_each_forward_output_is_copied_to_the_next_stage_before_the_stage_goes_o
             if op != "F":
                 continue
             (copy,) = copies_to_next_stage(graph, s, m, devs[s + 1])
-            prefix = "" if next_op == "F" else "gradient_tape/"  # a backward's ops carry the tape's names
-            waiting = [
-                o for n, o in ops.items() if n.startswith(f"{prefix}stage{s}/F{next_m}/") and copy in o.control_inputs
-            ]
-            assert waiting, f"stage {s}: ({next_op}, {next_m}) does not wait for forward {m}'s copy"
+            start = ops[f"stage{s}/{next_op}{next_m}/start"]  # every op of the stage's next F or B waits for it
+            assert copy in start.control_inputs, f"stage {s}: ({next_op}, {next_m}) does not wait for F{m}'s copy"
             assert any(copy is t.op for t in ops[f"stage{s + 1}/F{m}/Identity"].inputs)  # and stage s+1 reads it
 
 
@@ -335,8 +336,8 @@ def test_each_step_of_a_wave_starts_after_the_step_before_is_applied(devs, batch
     counters = [op for op in graph.get_operations() if op.type == "AssignAddVariableOp"]
     assert len(counters) == 2
     assert len([op for op in graph.get_operations() if op.type == "AssignSubVariableOp"]) == 2 * len(pipe.variables)
-    for s in range(3):  # the second step's first op on each stage (its scopes are uniquified: stage{s}/F0_1)
-        assert counters[0] in graph.get_operation_by_name(f"stage{s}/F0_1/Identity").control_inputs
+    for s in range(3):  # the second step's first op on each stage waits (its scopes are uniquified: stage{s}/F0_1)
+        assert counters[0] in graph.get_operation_by_name(f"stage{s}/F0_1/start").control_inputs
 
 
 def test_a_failed_wave_keeps_the_steps_before_it_whole(devs, batch):

@@ -166,9 +166,9 @@ def test_the_mirrored_strategy_step_keeps_each_copy_on_its_device(devs):
     assert report.ok and report.variables_checked == len(copies) * 2, report
 
 
-@pytest.mark.parametrize("schedule", ["sequential", "gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", ["sequential", "gpipe", "1f1b", "zb_h1"])
 def test_every_pipeline_schedule_keeps_each_stage_on_its_device(devs, schedule):
-    stages = pipelined.build_stages(devs[:3], (8, 8, 1))
+    stages = pipelined.make_chunks(devs[:3], (8, 8, 1), seed=0)
     pipe = pipeline.Pipeline(stages, devs[:3], 2, schedule=schedule, optimizer=keras.optimizers.Adam(1e-3))
     x, y = _batch()
     pipe.train_step(x, y)  # builds the optimizer copies
@@ -177,16 +177,14 @@ def test_every_pipeline_schedule_keeps_each_stage_on_its_device(devs, schedule):
     assert report.ok and report.variables_checked > 20, report
 
 
-def test_the_take_away_pipeline_keeps_each_stage_and_its_dropout_seeds_on_its_device(devs):
-    args = pipelined.parse(["--schedule", "1f1b", "--micro-batches", "2"])
-    stages, step, _ = pipelined.pipeline(args, devs[:3], (8, 8, 1))
-    x, y = _batch()
-    xs, ys = [x], [y]  # a wave of one step
-    step(xs, ys)
-    owners = {d: list(s.variables) for d, s in zip(devs[:3], stages, strict=True)}
-    assert any("seed" in v.path for v in owners[devs[2]])
-    report = placement.audit(step, xs, ys, owners=owners, run=True)
-    assert report.ok, report
+def test_the_take_away_pipeline_keeps_each_chunk_and_its_dropout_seeds_on_its_device_for_every_schedule(devs):
+    from tutorial_lib import gpu_audit
+
+    reports = gpu_audit.pipeline_reports(devs[:3])
+    assert len(reports) == 10 and all(r.ok and r.variables_checked > 20 for r in reports.values()), reports
+    piped = gpu_audit.load("train_pipelined")
+    run = piped.build(piped.parse(["--micro-batches", "2"]), devs[:3], (8, 8, 1))
+    assert any("seed" in v.path for v in run.chunks[2].variables)  # the dropout's seeds: with their stage
 
 
 def test_owners_must_be_a_dict_of_devices():

@@ -51,7 +51,7 @@ def test_each_stage_runs_each_forward_then_its_backward_once(kind, stages, micro
     plan = schedules.unroll(orders)  # and nothing waits forever
     assert len(plan) == 2 * stages * micro_batches
     done = set()
-    for s, op, m in plan:  # every op after its inputs
+    for s, op, m, _ in plan:  # every op after its inputs
         if op == "F":
             assert s == 0 or (s - 1, "F", m) in done
         else:
@@ -76,5 +76,5 @@ def test_schedule_rejects_unknown_kind():
 
 def test_orders_that_wait_on_each_other_are_refused():
     backward_first = [[("B", 0), ("F", 0)], [("F", 0), ("B", 0)]]
-    with pytest.raises(ValueError, match="wait on each other forever: next ops {0: \\('B', 0\\)"):
+    with pytest.raises(ValueError, match="wait on each other forever: next ops {0: \\('B', 0, 0\\)"):
         schedules.unroll(backward_first)

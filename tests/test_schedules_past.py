@@ -70,13 +70,14 @@ def test_interleaved_runs_each_chunk_of_each_micro_batch_once_in_dependency_orde
 
 
 @pytest.mark.parametrize("S, M", [(1, 1), (1, 4), (2, 1), (3, 2), (4, 4), (5, 7)])
-def test_zb_h1_runs_each_op_once_and_each_w_after_its_b(S, M):
+def test_zb_h1_runs_each_op_once_and_each_w_after_its_b_and_stage_0_whole_backwards(S, M):
     orders = schedules.zb_h1(S, M)
-    for order in orders:
+    assert orders[0] == schedules.schedule(S, M, "1f1b")[0]  # stage 0: 1F1B's order, B and W merged
+    for order in orders[1:]:
         assert sorted(order) == sorted((k, m) for m in range(M) for k in "FBW")
         assert all(order.index(("B", m)) < order.index(("W", m)) for m in range(M))
     plan = schedules.unroll_split(orders)
-    assert len(plan) == 3 * S * M
+    assert len(plan) == 3 * S * M - M
     done = set()
     for s, kind, m, _ in plan:
         if kind == "W":
@@ -127,3 +128,22 @@ def test_an_op_of_unknown_kind_or_shape_is_refused_not_read_as_a_backward(op, fu
 def test_bubble_rate_refuses_empty_orders_and_times_no_step_takes(orders, times, message):
     with pytest.raises(ValueError, match=message):
         schedules.bubble_rate(orders, **times)
+
+
+@pytest.mark.parametrize("S, M", SHAPES + [(4, 1), (4, 3), (8, 4), (3, 1)])
+@pytest.mark.parametrize("F, B, W", [(1.0, 1.0, 1.0), (1.0, 2.0, 0.5), (2.0, 1.0, 1.5)])
+def test_merging_stage_0s_b_and_w_changes_no_time_and_keeps_1f1bs_memory_there(S, M, F, B, W):
+    merged = schedules.zb_h1(S, M)
+    split = [[("B", m), ("W", m)] if kind == "B" else [(kind, m)] for kind, m in merged[0]]  # W right after its B
+    times = [schedules.simulated_busy_idle(orders, F, B, W) for orders in (merged, [sum(split, []), *merged[1:]])]
+    assert [t for pair in times[0] for t in pair] == pytest.approx([t for pair in times[1] for t in pair])
+    assert schedules.stash_split(merged[0]) == schedules.stash(schedules.schedule(S, M, "1f1b")[0])
+
+
+@pytest.mark.parametrize("S, M, share", [(4, 1, 2 / 3), (8, 4, 0.524), (2, 1, 2 / 3), (4, 4, 1 / 3), (8, 8, 1 / 3)])
+def test_zb_h1_idles_a_third_of_1f1b_only_where_m_is_at_least_s(S, M, share):
+    zb, one_f_one_b = (
+        schedules.bubble_rate(schedules.zb_h1(S, M)),
+        schedules.bubble_rate(schedules.schedule(S, M, "1f1b")),
+    )
+    assert zb / one_f_one_b == pytest.approx(share, abs=1e-3)

@@ -1,6 +1,7 @@
 """The placement audit of the take-away files' steps on real devices (`gpu_check` runs it on the GPUs,
 in a child it can stop): where each op ran, for every variant of the data-parallel step that
-train_multi_gpu.py can train, and for the pipelined step.
+train_multi_gpu.py can train, and for the pipelined step of train_pipelined.py (every schedule, with and without
+recomputation).
 
     python -m tutorial_lib.gpu_audit --devices /GPU:0,/GPU:1 [--json PATH]
 
@@ -61,20 +62,33 @@ def data_parallel_reports(devices) -> dict:
     return reports
 
 
-def pipeline_report(devices, examples: Path = EXAMPLES):
-    """The audit of one 1F1B step of train_pipelined.py on up to 3 of `devices`."""
+def pipeline_reports(devices, examples: Path = EXAMPLES) -> dict:
+    """The audit of one step of train_pipelined.py on up to 3 of `devices`, for every schedule it runs, with and
+    without recomputation (on the model without its dropout, which recomputation refuses): {name: report}."""
+    import keras
     import numpy as np
     import tensorflow as tf
 
     from . import placement
 
-    piped, stages_on = load("train_pipelined", examples), list(devices[:3])
-    args = piped.parse(["--schedule", "1f1b", "--micro-batches", "2", "--devices", ",".join(stages_on)])
-    stages, step, _ = piped.pipeline(args, stages_on, (8, 8, 1))
-    xs, ys = [tf.random.stateless_normal([8, 8, 8, 1], [0, 2])], [tf.constant(np.arange(8) % 10, tf.int32)]
-    step(xs, ys)  # builds the optimizers' slots
-    owners = {d: list(stage.variables) for d, stage in zip(stages_on, stages, strict=True)}
-    return placement.audit(step, xs, ys, owners=owners, run=True)
+    piped, on = load("train_pipelined", examples), list(devices[:3])
+    with_dropout = piped.make_model
+    without = lambda: [[x for x in b if not isinstance(x, keras.layers.Dropout)] for b in with_dropout()]  # noqa: E731
+    x = tf.random.stateless_normal([8 * len(on), 8, 8, 1], [0, 2])
+    y = tf.constant(np.arange(8 * len(on)) % 10, tf.int32)
+    reports = {}
+    for schedule in piped.ps.EVERY_SCHEDULE:
+        for recompute in (False, True):
+            piped.make_model = without if recompute else with_dropout
+            argv = ["--schedule", schedule, "--micro-batches", str(2 * len(on)), "--batch", str(8 * len(on))]
+            run = piped.build(piped.parse(argv + ["--recompute"] * recompute), on, (8, 8, 1))
+            owners = {}
+            for chunk, optimizer, device in zip(run.chunks, run.optimizers, run.devices, strict=True):
+                owners.setdefault(device, []).extend([*chunk.variables, *optimizer.variables])
+            name = f"pipelined step ({schedule}{', recomputed' * recompute})"
+            reports[name] = placement.audit(run.steps, [x], [y], owners=owners, run=True)
+    piped.make_model = with_dropout
+    return reports
 
 
 def devices_problem(devices) -> str | None:
@@ -112,7 +126,7 @@ def main(argv=None) -> int:
     if problem := devices_problem(devices):  # exit 2 before any work: 1 says the audit found a misplaced op
         parser.error(problem)
     reports = {f"data-parallel step, {name}": r for name, r in data_parallel_reports(devices).items()}
-    reports["pipelined step"] = pipeline_report(devices)
+    reports.update(pipeline_reports(devices))
     for name, report in reports.items():
         print(f"{name}: {report}")
     misplaced = sum(len(r.misplaced) for r in reports.values())

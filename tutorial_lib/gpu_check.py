@@ -8,7 +8,8 @@ can hang): `examples/train_multi_gpu.py --check` (NCCL all-reduce; then `--strat
 each replica's step compiled by XLA, skipped with the reason where XLA cannot compile on the GPUs; then
 bfloat16 and float16), a timed run of `train_multi_gpu.py` (on GPUs it ends with its efficiency against a
 plain one-GPU step),
-`examples/train_pipelined.py --check` on up to 3 GPUs, the placement audit of both files' steps
+`examples/train_pipelined.py --check` (1F1B, ZB-H1, interleaved, in float64) on up to 3 GPUs, the placement audit of
+both files' steps (every pipeline schedule, with and without recomputation)
 (`tutorial_lib.gpu_audit`: where each op ran), and the pipeline's training with the
 hand-off wait on and off, timed. It exits 1 when a run fails, errs or times out. With one GPU it
 runs nothing and says what the files would need; with none, it says so.
@@ -62,14 +63,16 @@ def file_runs(gpus: int) -> list[FileRun]:
     batch 32 per GPU, which any GPU count divides (the file's default, 128, is refused on 3)."""
     every, stages = (",".join(f"/GPU:{i}" for i in range(k)) for k in (gpus, min(gpus, 3)))
     multi = ("--steps", "20", "--devices", every, "--batch", str(32 * gpus), "--check")
-    pipe = ("--steps", "20", "--devices", stages)
+    pipe = ("--steps", "20", "--devices", stages, "--batch", "96")  # M = 6 micro-batches of 16
     runs = [FileRun("train_multi_gpu.py --check", "train_multi_gpu.py", multi)]
     for extra in (("--strategy", "mirrored"), ("--jit", "--bn", "local"), ("--precision", "bfloat16"),
                   ("--precision", "float16")):  # fmt: skip
         runs += [FileRun(f"{runs[0].name} {' '.join(extra)}", "train_multi_gpu.py", (*multi, *extra))]
     timed = ("--steps", "60", "--devices", every, "--batch", str(64 * gpus))  # 64 a GPU, as on one: its efficiency
     runs += [FileRun("train_multi_gpu.py timed on every GPU and on one", "train_multi_gpu.py", timed)]
-    runs += [FileRun("train_pipelined.py --check", "train_pipelined.py", (*pipe, "--check"))]
+    for schedule in ("1f1b", "zb_h1", "interleaved"):  # float64 against one GPU; interleaved: 2 chunks a GPU
+        runs += [FileRun(f"train_pipelined.py --check --schedule {schedule}", "train_pipelined.py",
+                         (*pipe, "--check", "--schedule", schedule))]  # fmt: skip
     for wait in ("on", "off"):  # timed; the last two runs, read by handoff_verdict
         runs += [
             FileRun(f"train_pipelined.py --handoff-wait {wait}", "train_pipelined.py", (*pipe, "--handoff-wait", wait))

@@ -1,106 +1,25 @@
-"""The pipelined training step, built from a schedule into ONE graph per step (or wave of steps):
-notebook 05's cells, `Pipeline` (the step as an object, checked by `pipeline_checks`), and
-notebook 01's naive split `staged_gradients`, the baseline the benchmark times against.
+"""The pipelined training step as an object: `Pipeline` builds notebook 05's step, the take-away's
+`pipeline_parallel` (examples/, the one copy of the method), from any schedule of `schedules`, with the checks of
+`pipeline_checks` around it; and notebook 01's naive split `staged_gradients`, the baseline the benchmark times
+against.
 """
 
 from __future__ import annotations
 
 import keras
 import numpy as np
+import pipeline_parallel as pp
 import tensorflow as tf
+from pipeline_parallel import (  # noqa: F401 (the package's names for them)
+    added_losses,
+    one_optimizer_per_stage,
+    pipelined_gradients,
+    run_stage,
+    update_stages,
+)
 
-from . import checks, models, pipeline_checks
+from . import checks, models, pipeline_checks, schedules
 from .devices import normalize
-from .schedules import schedule as make_schedule
-from .schedules import unroll
-
-
-# lesson: 05_staging_pipeline
-def run_stage(stage, h):
-    """A Keras stage is told that it trains: otherwise its Dropout passes everything through."""
-    return stage(h, training=True) if isinstance(stage, keras.Layer) else stage(h)
-
-
-# lesson: 05_staging_pipeline
-def added_losses(stage):
-    """What a Keras stage adds to the loss in its last call (weight regularizers, add_loss); 0 for others."""
-    losses = list(getattr(stage, "losses", []))
-    return tf.add_n(losses) if losses else tf.constant(0.0)
-
-
-# lesson: 05_staging_pipeline
-def pipelined_gradients(stages, devices, orders, x, y, loss_fn, wait_for_arrival=True, start_after=()):
-    """Build one step's forwards and backwards in the graph being traced, in the stages' orders.
-    Returns (the batch's mean loss, for each stage the gradients of its weights summed over the
-    micro-batches). Every stage's first op waits for `start_after`."""
-    S, M = len(stages), len(orders[0]) // 2
-    with tf.device(devices[0]):
-        inputs = {(0, m): xm for m, xm in enumerate(tf.split(x, M))}
-    with tf.device(devices[-1]):
-        labels = tf.split(y, M)
-    after = [list(start_after) for _ in range(S)]  # each stage's latest outputs: its next op waits for them
-    tapes, upstream, grads, losses = {}, {}, [None] * S, []
-    for s, op, m in unroll(orders):
-        with tf.device(devices[s]), tf.name_scope(f"stage{s}/{op}{m}"), tf.control_dependencies(after[s]):
-            if op == "F":
-                h = tf.identity(inputs.pop((s, m)))
-                with tf.GradientTape() as tape:
-                    tape.watch(h)
-                    out = run_stage(stages[s], h)
-                    if s == S - 1:
-                        out = loss_fn(out, labels[m])  # the MEAN over the micro-batch
-                    added = added_losses(stages[s])
-                tapes[s, m] = (tape, h, out, added)
-                losses.append(added if s < S - 1 else out + added)
-                if s < S - 1:
-                    if wait_for_arrival:  # the output moves to the next stage inside this op
-                        with tf.device(devices[s + 1]):
-                            out = tf.identity(out)
-                    inputs[s + 1, m] = out
-                after[s] = [out]  # with the copy: the stage goes on once its output has arrived
-            else:
-                tape, h, out, added = tapes.pop((s, m))
-                g_out = upstream.pop((s, m)) if s < S - 1 else tf.constant(1 / M)  # d(mean of M)/d(loss m)
-                wrt = ([h] if s else []) + list(stages[s].trainable_variables)  # stage 0: weights only
-                g = tape.gradient([out, added], wrt, output_gradients=[g_out, tf.constant(1 / M)])
-                if s:
-                    upstream[s - 1, m] = g[0]
-                g_vars = g[1:] if s else g
-                grads[s] = g_vars if grads[s] is None else [a + b for a, b in zip(grads[s], g_vars, strict=True)]
-                after[s] = list(g)
-    with tf.device(devices[-1]):
-        return tf.add_n(losses) / M, grads
-
-
-# lesson: 05_staging_pipeline
-def update_stages(stages, devices, grads, learning_rate=None, optimizers=None):
-    """Each stage's update on its own device, once every gradient of the step exists: SGD with
-    `learning_rate`, or `optimizers[s]` for stage s. Returns ops that end with every write."""
-    updates = []
-    with tf.control_dependencies([g for per_stage in grads for g in per_stage]):  # no stage updates alone
-        for s, (stage, device) in enumerate(zip(stages, devices, strict=True)):
-            variables = list(stage.trainable_variables)
-            with tf.device(device), tf.name_scope(f"update{s}"):
-                if optimizers is None:
-                    updates += [v.assign_sub(learning_rate * g) for v, g in zip(variables, grads[s], strict=True)]
-                elif variables:
-                    optimizers[s].apply(grads[s], variables)
-                    # apply gives no op to wait for. A read of a variable runs after its writes (a
-                    # tf.function keeps the program's order on one variable): read them all.
-                    updates += [tf.identity(v) for v in (*variables, *optimizers[s].variables)]
-    return updates
-
-
-# lesson: 05_staging_pipeline
-def one_optimizer_per_stage(stages, devices, make_optimizer):
-    """`make_optimizer()` once per stage, created and built on the stage's weights under its device."""
-    optimizers = []
-    for stage, device in zip(stages, devices, strict=True):
-        with tf.device(device):  # its step count and learning rate here; Keras puts the moments beside the weights
-            optimizer = make_optimizer()
-            optimizer.build(list(stage.trainable_variables))
-        optimizers.append(optimizer)
-    return optimizers
 
 
 def copy_optimizer(template):
@@ -121,8 +40,10 @@ def copy_optimizer(template):
 
 class Pipeline:
     """Train `stages`, stage s on devices[s], on batches cut into `micro_batches`, in the order
-    `schedule` gives, by plain SGD (`learning_rate`) or one copy per stage of a Keras `optimizer`.
-    `loss_fn` returns the MEAN over its micro-batch; a Keras stage's `losses` are added to it.
+    `schedule` gives ("sequential", "gpipe", "1f1b" or "zb_h1"), by plain SGD (`learning_rate`) or one
+    copy per stage of a Keras `optimizer`. `loss_fn` returns the MEAN over its micro-batch; a Keras
+    stage's `losses` are added to it. `recompute=True` keeps only each stage's input from its F to its
+    backward, which reruns the forward (refused for stages that hold state or draw random numbers).
 
     `wait_for_arrival` (default: on CPUs) makes a stage go on only once its output has reached the
     next device: a CPU may otherwise send it only when the stage runs out of work (notebook 05),
@@ -139,12 +60,17 @@ class Pipeline:
         loss_fn=models.cross_entropy,
         optimizer: keras.optimizers.Optimizer | None = None,
         wait_for_arrival: bool | None = None,
+        recompute: bool = False,
     ):
         stages, devices = list(stages), [normalize(d) for d in checks.device_list(devices)]
-        pipeline_checks.check_stages(stages, devices, learning_rate, optimizer)
-        self.stages, self.devices, self.loss_fn = stages, devices, loss_fn
+        pipeline_checks.check_stages(stages, devices, learning_rate, optimizer, recompute)
+        self.stages, self.devices, self.loss_fn, self.recompute = stages, devices, loss_fn, bool(recompute)
         self.micro_batches = checks.whole_number(micro_batches, "micro_batches")
-        self.kind, self.orders = schedule, make_schedule(len(stages), self.micro_batches, schedule)
+        if schedule == "interleaved":
+            raise ValueError("interleaving runs v chunks on each device: use pipeline_split.SplitPipeline(chunks, "
+                             "devices, micro_batches, schedule='interleaved') with S * v chunks.")  # fmt: skip
+        self.kind, self.orders = schedule, schedules.orders_of(schedule, len(stages), self.micro_batches)
+        self.physical = devices  # the device of each lane of `orders` (SplitPipeline: each device of v chunks)
         self.learning_rate, self._template, self.optimizers = learning_rate, optimizer, None
         self.wait_for_arrival = (
             pipeline_checks.all_cpus(devices) if wait_for_arrival is None else bool(wait_for_arrival)
@@ -154,6 +80,11 @@ class Pipeline:
             self.step = tf.Variable(0, dtype=tf.int64, trainable=False, name="pipeline_step")
         self.traced_step = tf.function(lambda x, y: self.build_steps([x], [y])[0], autograph=False)
         self._wave = tf.function(lambda xs, ys: tf.stack(self.build_steps(xs, ys)), autograph=False)
+
+    def scopes(self):
+        """(name scope, device) of each F, B and W of a step, in the order the step builds them (`unroll`)."""
+        S = len(self.orders)
+        return [(f"stage{c * S + d}/{kind}{m}", self.physical[d]) for d, kind, m, c in schedules.unroll(self.orders)]
 
     @property
     def variables(self):
@@ -184,10 +115,9 @@ class Pipeline:
         one before is applied; returns their losses. The batches must have passed `check_batch`."""
         losses, applied = [], []
         for x, y in zip(xs, ys, strict=True):
-            loss, grads = pipelined_gradients(
-                self.stages, self.devices, self.orders, x, y, self.loss_fn, self.wait_for_arrival, applied
-            )
-            updates = update_stages(self.stages, self.devices, grads, self.learning_rate, self.optimizers)
+            loss, grads = pp.pipelined_gradients(self.stages, self.devices, self.orders, x, y, self.loss_fn,
+                                                 self.recompute, self.wait_for_arrival, applied)  # fmt: skip
+            updates = pp.update_stages(self.stages, self.devices, grads, self.learning_rate, self.optimizers)
             with tf.control_dependencies(updates), tf.device(self.devices[0]):
                 applied = [self.step.assign_add(1)]  # the step's last op: it counts the steps applied whole
             losses.append(loss)
@@ -203,8 +133,10 @@ class Pipeline:
             pipeline_checks.check_labels(self.loss_fn, y)
             with tf.init_scope():  # eager, even inside a user's tf.function
                 pipeline_checks.dry_run(self.stages, self.devices, x, y, self.micro_batches, self.loss_fn)
+                if self.recompute:
+                    pipeline_checks.refuse_random(self.stages, self.devices, x, self.micro_batches)
                 if self._template is not None and self.optimizers is None:  # every stage has its weights now
-                    self.optimizers = one_optimizer_per_stage(
+                    self.optimizers = pp.one_optimizer_per_stage(
                         self.stages, self.devices, lambda: copy_optimizer(self._template)
                     )
             self._checked.add(key)

@@ -1,17 +1,20 @@
 """The pipeline's guard rails, beside the step, never inside it: what `Pipeline` refuses when it
-is made (`check_stages`) and once per new batch shape (`check_split`, `check_labels`, `dry_run`).
+is made (`check_stages`) and once per new batch shape (`check_split`, `check_labels`, `dry_run`,
+`refuse_random`).
 """
 
 from __future__ import annotations
 
 import keras
 import numpy as np
+import pipeline_checks as take_away_checks  # examples/pipeline_checks.py: the op types that draw random numbers
 import tensorflow as tf
+from pipeline_parallel import run_stage
 
 from . import models
 
 
-def check_stages(stages, devices, learning_rate, optimizer) -> None:
+def check_stages(stages, devices, learning_rate, optimizer, recompute=False) -> None:
     """Refuse stages, devices and an update rule that the pipeline cannot run as one device would."""
     if not stages or len(stages) != len(devices):
         raise ValueError(f"need one device per stage, got {len(stages)} stages and {len(devices)} devices.")
@@ -22,6 +25,8 @@ def check_stages(stages, devices, learning_rate, optimizer) -> None:
         )
     for s, stage in enumerate(stages):
         refuse_layers(s, stage)
+    if recompute:
+        refuse_state(stages)
     if optimizer is not None:
         check_optimizer(optimizer)
         refuse_shared_variables(stages)
@@ -59,6 +64,41 @@ def refuse_layers(s: int, stage) -> None:
                 f"stage {s} has the BatchNormalization layer {layer.name!r}: it would normalize each micro-batch "
                 "alone and update its moving averages M times a step. Use keras.layers.LayerNormalization or "
                 "GroupNormalization, or data parallelism with synchronized batch norm (notebook 04)."
+            )
+
+
+def refuse_state(chunks) -> None:
+    """Recomputation runs each forward twice: refuse layers whose forward changes state."""
+    for k, chunk in enumerate(chunks):
+        trainable = {id(v) for v in getattr(chunk, "trainable_variables", ())}
+        state = [v for v in getattr(chunk, "variables", ()) if id(v) not in trainable]
+        if state:
+            name = getattr(state[0], "path", getattr(state[0], "name", "?"))
+            raise ValueError(
+                f"chunk {k} holds the non-trainable variable {name!r} (a Dropout seed or moving statistics): "
+                "recompute=True would run its forward twice and change that state twice, so the backward would "
+                "not match the forward. Use recompute=False, or layers without state."
+            )
+
+
+def refuse_random(chunks, devices, x, micro_batches) -> None:
+    """Recomputation runs each forward twice: refuse a chunk whose forward draws random numbers from TensorFlow's
+    random ops without a variable (tf.random.uniform in a Lambda layer, a tf.random.Generator), which refuse_state
+    cannot see: the rerun would draw other numbers, and the gradient would not be the forward's. The take-away's
+    pipeline_checks.RANDOM_OPS names them; each chunk's forward is traced on a micro-batch, function bodies
+    entered."""
+    h = _sample(x, x.shape[0] // micro_batches)
+    for k, (chunk, device) in enumerate(zip(chunks, devices, strict=True)):
+        with tf.device(device):
+            spec = tf.TensorSpec(h.shape, h.dtype)
+            graph = tf.function(lambda a, c=chunk: run_stage(c, a)).get_concrete_function(spec).graph.as_graph_def()
+            h = chunk(h)
+        ops = [n.op for n in graph.node] + [n.op for f in graph.library.function for n in f.node_def]
+        if drawn := sorted({op for op in ops if take_away_checks.RANDOM_OPS.search(op)}):
+            raise ValueError(
+                f"chunk {k} draws random numbers in its forward ({', '.join(drawn)}): recompute=True would run it "
+                "twice, and the rerun would draw other numbers than the forward that made the loss, so the "
+                "backward would not be its gradient. Use recompute=False, or draw the numbers outside the chunk."
             )
 
 

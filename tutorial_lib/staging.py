@@ -1,4 +1,6 @@
-"""`StagedInput`: feed a `Pipeline` through a `StagingArea`, as `tf_cnn_benchmarks` fed its towers.
+"""`StagedInput`: feed a `Pipeline` through a `StagingArea`, as `tf_cnn_benchmarks` fed its towers: the batches
+of a list or a dataset, each checked before anything is put (the take-away's `pipeline_parallel.StagedFeed` feeds
+a repeating tf.data pipeline without these checks).
 
 `StagingArea` is PRIVATE (the public route is `tf.data.experimental.prefetch_to_device`). A `get`
 from an empty area waits forever: only `run` uses it, putting before it gets, emptying it on failure.
@@ -9,20 +11,10 @@ from __future__ import annotations
 import itertools
 
 import tensorflow as tf
+from pipeline_parallel import staged_step  # the take-away's step (notebook 05's lesson): get, step, put the next
 from tensorflow.python.ops import data_flow_ops  # PRIVATE API: StagingArea
 
 _ids = itertools.count()
-
-
-# lesson: 05_staging_pipeline
-def staged_step(area, build_step, x_next=None, y_next=None):
-    """Build, in the graph being traced: this step's batch taken from `area`, the step on it
-    (`build_step(x, y)` returns its loss), and the put of the next batch, if any."""
-    x, y = area.get()
-    loss = build_step(x, y)
-    if x_next is not None:  # built after the step, which does not wait for it: the copy overlaps the step
-        area.put([x_next, y_next])
-    return loss
 
 
 class StagedInput:
