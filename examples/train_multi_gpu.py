@@ -136,7 +136,8 @@ def train(args, run, data, saver):
         while len(losses) < steps:
             profiling = profile(args, timed, profiling)
             k = min(args.steps_per_call, steps - len(losses))
-            losses += [float(run.step(feed, tf.constant(k)))] * k  # float(): the host waits for the call
+            calls = 1 if args.steps_per_call == 1 else tf.constant(k)  # a loop of k steps; 1: no loop around it
+            losses += [float(run.step(feed, calls))] * k  # float(): the host waits for the call (one trace for any k)
             if not timed and not epoch_timed:  # the first call traces the step: not what a step costs
                 print(f"  the first call traced the step and ran {k} step(s) in {time.perf_counter() - start:.1f} s")
                 start, epoch_timed = time.perf_counter(), -k
