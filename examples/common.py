@@ -98,6 +98,8 @@ def data_problem(name, x, y, smallest):
             f"x_{name} has shape {x.shape}: give images (N, height, width), or (N, height, width, 3) in colour, "
             f"at least {smallest}x{smallest}"
         )
+    if y.shape == (len(x), 10):
+        return f"y_{name} has shape {y.shape}: one-hot labels; give each image's class, y.argmax(axis=1)"
     if y.shape != x.shape[:1] or not len(y):
         return f"y_{name} has shape {y.shape}: give one label per image, shape ({len(x)},) (y.ravel()), none empty"
     if not np.isfinite(x).all():
@@ -108,6 +110,11 @@ def data_problem(name, x, y, smallest):
         return (
             f"x_{name}: float pixels from {x.min():g} to {x.max():g}; give floats in [0, 1] (used as they are) "
             "or whole numbers 0 to 255 (divided by 255)"
+        )
+    if np.issubdtype(x.dtype, np.integer) and (x.min() < 0 or x.max() > 255):  # 12-bit, 16-bit or signed images
+        return (
+            f"x_{name}: whole-number pixels from {x.min()} to {x.max()}; give whole numbers 0 to 255 (divided by "
+            "255) or floats in [0, 1] (used as they are), e.g. (x - x.min()) / (x.max() - x.min())"
         )
     return None
 
