@@ -220,9 +220,25 @@ def json_ready(value):
     return None if isinstance(value, float) and not np.isfinite(value) else value
 
 
+def input_problem(model):
+    """Why `model` would not see the pixels load_data gives (float32 in [0, 1]), or None: an input of whole numbers
+    (they would be cast to 0 or 1), or a Rescaling that divides them again (to [0, 0.004]); both train, wrongly."""
+    if kept := [i.dtype for i in getattr(model, "inputs", None) or [] if not keras.backend.is_float_dtype(i.dtype)]:
+        return (f"the model's input is {kept[0]}, and these programs feed float32 pixels in [0, 1] (whole numbers "
+                "divided by 255): give keras.Input(shape) without a dtype, and no Rescaling(1 / 255)")  # fmt: skip
+    for layer in [x for x in all_layers(model) if isinstance(x, keras.layers.Rescaling)]:
+        if np.all(np.abs(np.asarray(layer.scale, np.float64)) < 0.01):  # 1 / 255, 1 / 127.5: pixels already divided
+            return (f"these programs feed pixels already in [0, 1], and the model's Rescaling(scale="
+                    f"{np.max(layer.scale):.3g}) divides them again: drop it")  # fmt: skip
+    return None
+
+
 def output_problem(model, x):
     """Why `model`'s outputs are not one logit per class for images like x, or None: the programs take LOGITS
-    (no softmax at the end), as the method's loss does; a model that ends in softmax would train far worse."""
+    (no softmax at the end), as the method's loss does; a model that ends in softmax would train far worse. Its
+    input first (input_problem)."""
+    if problem := input_problem(model):
+        return problem
     try:
         out = np.asarray(model(x[:4], training=False), np.float64)
     except (TypeError, ValueError, tf.errors.OpError) as err:  # another input shape, or several inputs

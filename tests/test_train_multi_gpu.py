@@ -149,10 +149,18 @@ def test_batch_norm_that_synchronization_cannot_reach_is_refused_under_sync_and_
     assert "batch norm: local, each replica its own 8 examples (auto would synchronize, but" in capsys.readouterr().out
 
 
+def whole_number_input():
+    """A model for uint8 pixels, as a Keras tutorial feeds them: the programs feed floats in [0, 1], cast to 0 or 1."""
+    inputs = keras.Input((8, 8, 1), dtype="uint8")
+    return keras.Model(inputs, sequential()(keras.layers.Rescaling(1 / 255)(inputs)))
+
+
 @pytest.mark.parametrize(
     "make, message",
     [
         (lambda: keras.Sequential([*sequential().layers, keras.layers.Softmax()]), "these programs take LOGITS"),
+        (whole_number_input, "the model's input is uint8"),
+        (lambda: sequential(keras.layers.Rescaling(1 / 255)), "Rescaling(scale=0.00392) divides them again"),
         (two_inputs, "the model cannot take a batch of these images"),
         (lambda: keras.Sequential([keras.Input((8, 8, 1)), keras.layers.Flatten(), keras.layers.Dense(7)]),
          "return (batch, 10)"),
