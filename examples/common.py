@@ -328,7 +328,7 @@ class Checkpoints:
                 print(f"checkpoint: {prefix} is damaged ({type(err).__name__}); trying an older one")
                 continue
             if other := {k: (kept.get(k), v) for k, v in settings.items() if kept.get(k) != v}:
-                said = ", ".join(f"--{k} {a} (this run: {b})" for k, (a, b) in other.items())
+                said = ", ".join(f"--{k.replace('_', '-')} {a} (this run: {b})" for k, (a, b) in other.items())
                 refuse(f"--checkpoint {self.folder}: {prefix} was saved with {said}; give those, or an empty folder")
             try:
                 self.saved.read(prefix).assert_existing_objects_matched()

@@ -225,6 +225,11 @@ def plan(args, devices, data):
     print(cli.gradients_said(args, model))
 
 
+# What a checkpoint must have been saved with: the batch its step count counts, and what its optimizer restores
+# (Adam's learning rate is one of its variables: another --lr would be said and not used).
+RESUMED_AS_SAVED = ("batch", "precision", "warmup", "lr", "scale_lr", "lr_batch")
+
+
 def main(argv=None):
     args = cli.parse(argv, __doc__.split("\n\n")[0])
     keras.utils.set_random_seed(args.seed)  # the same weights, hence accuracy, on the same machine
@@ -237,7 +242,7 @@ def main(argv=None):
     else:
         with cli.precision(args.precision):
             run = build(args, devices, data[0][0].shape[1:])
-        saver.restore(run.model, run.optimizer, {k: vars(args)[k] for k in ("batch", "precision", "warmup")})
+        saver.restore(run.model, run.optimizer, {k: vars(args)[k] for k in RESUMED_AS_SAVED})
         run.restored()
         metrics = common.stopped_by_a_device(lambda: train(args, run, data, saver), args.timeout)
         if args.baseline or not common.simulated(devices):

@@ -277,6 +277,15 @@ def test_checkpoints_resume_from_the_newest_intact_and_refuse_another_run(devs, 
     assert "was saved from another model" in err
 
 
+@pytest.mark.slow
+def test_a_resume_with_another_learning_rate_exits_2_not_trained_at_the_saved_one(devs, tmp_path, monkeypatch, capsys):
+    argv = ["--batch", "16", "--steps-per-call", "1", "--checkpoint", str(tmp_path / "ckpt")]
+    final_weights([*argv, "--steps", "1"], devs, monkeypatch)  # Adam's learning rate is a variable it saves
+    again = [*argv, "--steps", "2", "--devices", ",".join(devs[:2]), "--data", "digits"]
+    assert "was saved with --lr 0.001 (this run: 0.01)" in refused([*again, "--lr", "0.01"], capsys)
+    assert "--scale-lr none (this run: sqrt)" in refused([*again, "--scale-lr", "sqrt"], capsys)
+
+
 def test_a_checkpoint_folder_that_cannot_be_written_exits_2_before_any_work(tmp_path, capsys):
     (tmp_path / "file").write_text("")
     err = refused(["--checkpoint", str(tmp_path / "file" / "ckpt")], capsys)
