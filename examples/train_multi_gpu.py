@@ -56,7 +56,8 @@ def build(args, devices, input_shape, make_optimizer=None, all_sum=None):
         cross_device_ops = tf.distribute.ReductionToOneDevice() if args.all_reduce == "central" else None
         strategy = dp.mirrored_strategy(devices, cross_device_ops)
         with strategy.scope():  # one copy of every variable per device, Adam's too
-            model, optimizer = make_model(input_shape, synchronized=args.bn == "sync"), make_optimizer()
+            synchronized = {"synchronized": True} if args.bn == "sync" else {}  # a make_model may not take it
+            model, optimizer = make_model(input_shape, **synchronized), make_optimizer()
             optimizer.build(model.trainable_variables)
         copies = [strategy.experimental_local_results(v.value) for v in [*model.weights, *optimizer.variables]]
         per_device = [list(vs) for vs in zip(*copies, strict=True)]  # each device's own copies
@@ -188,6 +189,26 @@ def accuracy(model, x, y, batch=1000):
     return float(np.mean(predicted == y))
 
 
+def mirrored_sync_problem(model, input_shape):
+    """Why MirroredStrategy would leave `model`'s batch norm unsynchronized, or None: Keras synchronizes the
+    BatchNormalization layers made with synchronized=True, which make_model must pass on to each of them."""
+    if not [x for x in common.all_layers(model) if isinstance(x, keras.layers.BatchNormalization) and x.trainable]:
+        return None
+    try:
+        model = make_model(input_shape, synchronized=True)
+    except TypeError as err:
+        if "synchronized" not in str(err):
+            raise
+        return f"make_model takes no synchronized argument: {PASS_IT_ON}"
+    if left := [x.name for x in common.all_layers(model) if isinstance(x, keras.layers.BatchNormalization)
+                and x.trainable and not x.synchronized]:  # fmt: skip
+        return f"make_model(synchronized=True) leaves {left[0]} unsynchronized: {PASS_IT_ON}"
+    return None
+
+
+PASS_IT_ON = "pass synchronized on to each BatchNormalization"
+
+
 def plan(args, devices, data):
     """Everything decided before any work, said, or refused with the fix: batch norm, the all-reduce, the model."""
     (x, _), n = data[0], len(devices)
@@ -197,11 +218,13 @@ def plan(args, devices, data):
             f"--batch {args.batch}: give a multiple of the {n} devices, at most the {len(x)} training "
             f"images, e.g. {min(max(n, args.batch // n * n), most)}"
         )
+    replicated = args.strategy == "replicated"
     with cli.precision(args.precision):
         model = make_model(x.shape[1:])
-    sync_problem = common.sync_bn_problem(model) if args.strategy == "replicated" else None
+        sync_problem = common.sync_bn_problem(model) if replicated else mirrored_sync_problem(model, x.shape[1:])
     if problem := common.output_problem(model, x) or args.bn == "sync" and sync_problem:
-        common.refuse(problem + "; --bn local or --strategy mirrored take any model" * (problem == sync_problem))
+        fix = "; --bn local or --strategy mirrored take any model" if replicated else ", or give --bn local"
+        common.refuse(problem + fix * (problem == sync_problem))
     args.bn_asked = args.bn
     wanted = args.bn if args.bn != "auto" else "sync" if args.batch // n < cli.SYNC_BELOW else "local"
     args.bn = "local" if wanted == "sync" and sync_problem else wanted
@@ -220,7 +243,8 @@ def plan(args, devices, data):
         f"{args.strategy}: {n} replicas of {args.batch // n} examples on {devices}; all-reduce: "
         f"{said if args.strategy == 'replicated' else cli.mirrored_said(devices, args.all_reduce)}"
     )
-    print(cli.bn_said(args, n, sync_problem if wanted != args.bn else None))
+    why_local = sync_problem + "; --strategy mirrored synchronizes any model" * replicated if sync_problem else None
+    print(cli.bn_said(args, n, why_local if wanted != args.bn else None))
     print(cli.lr_said(args))
     print(cli.gradients_said(args, model))
 

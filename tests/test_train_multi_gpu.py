@@ -155,6 +155,37 @@ def whole_number_input():
     return keras.Model(inputs, sequential()(keras.layers.Rescaling(1 / 255)(inputs)))
 
 
+def batch_norm_model(synchronized=False):
+    return sequential(
+        keras.layers.Conv2D(4, 3, use_bias=False), keras.layers.BatchNormalization(synchronized=synchronized)
+    )
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda _shape: batch_norm_model(), "make_model takes no synchronized argument"),
+        (lambda _shape, synchronized=False: batch_norm_model(), "leaves batch_normalization"),  # noqa: ARG005 (ignored)
+    ],
+)
+def test_batch_norm_that_make_model_leaves_unsynchronized_is_refused_under_mirrored_sync(devs, monkeypatch, capsys,
+                                                                                          make, message):  # fmt: skip
+    monkeypatch.setattr(program, "make_model", make)
+    monkeypatch.setattr(program, "build", lambda *_a, **_k: pytest.fail("built a run before refusing the model"))
+    err = refused(["--strategy", "mirrored", "--bn", "sync", "--devices", ",".join(devs[:2]), "--data", "digits"],
+                  capsys)  # fmt: skip
+    assert message in err and "pass synchronized on to each BatchNormalization, or give --bn local" in err, err
+
+
+@pytest.mark.slow
+def test_a_make_model_without_synchronized_trains_under_mirrored_with_local_batch_norm(devs, monkeypatch, capsys):
+    monkeypatch.setattr(program, "make_model", lambda _shape: batch_norm_model())
+    assert main(["--strategy", "mirrored", "--batch", "16", "--steps", "1"], devs) == 0  # --bn auto: local, said
+    assert "batch norm: local, each replica its own 8 examples (auto would synchronize, but make_model takes no" in (
+        capsys.readouterr().out
+    )
+
+
 @pytest.mark.parametrize(
     "make, message",
     [
