@@ -130,6 +130,9 @@ def train(args, run, data, saver):
     total = min(args.steps or args.epochs * per_epoch, args.epochs * per_epoch)
     feed, metrics, timed, seconds, profiling = run.feed(x, y, skip=done), {}, 0, 0.0, False
     writer = tf.summary.create_file_writer(args.logdir) if args.logdir else None
+    if done >= total:  # a resumed run already as long as this one: no loss, accuracy nor timing to say
+        print(f"checkpoint: nothing to train: ckpt-{done} has done {done} steps, and this run asks {total}; give "
+              "more --steps or --epochs")  # fmt: skip
     while done < total:
         epoch, steps = done // per_epoch, min(per_epoch - done % per_epoch, total - done)
         print(f"epoch {epoch + 1}/{args.epochs}")

@@ -330,6 +330,16 @@ def test_a_resume_with_another_learning_rate_exits_2_not_trained_at_the_saved_on
     assert "--scale-lr none (this run: sqrt)" in refused([*again, "--scale-lr", "sqrt"], capsys)
 
 
+@pytest.mark.slow
+def test_a_resume_with_nothing_left_to_train_says_so(devs, tmp_path, monkeypatch, capsys):
+    argv = ["--batch", "16", "--steps-per-call", "1", "--checkpoint", str(tmp_path / "ckpt")]
+    final_weights([*argv, "--steps", "2"], devs, monkeypatch)
+    final_weights([*argv, "--steps", "1"], devs, monkeypatch)
+    assert "nothing to train: ckpt-2 has done 2 steps, and this run asks 1; give more --steps or --epochs" in (
+        capsys.readouterr().out
+    )
+
+
 def test_a_checkpoint_folder_that_cannot_be_written_exits_2_before_any_work(tmp_path, capsys):
     (tmp_path / "file").write_text("")
     err = refused(["--checkpoint", str(tmp_path / "file" / "ckpt")], capsys)
