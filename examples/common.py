@@ -296,6 +296,9 @@ def random_layers(model):
     return [x for x in all_layers(model) if any(isinstance(v, keras.random.SeedGenerator) for v in vars(x).values())]
 
 
+SETTINGS = "settings/.ATTRIBUTES/VARIABLE_VALUE"  # the run's settings in a checkpoint of Checkpoints
+
+
 class Checkpoints:
     """--checkpoint DIR: a model, its optimizer and the steps done, saved as DIR/ckpt-N (N: steps done) with the
     run's settings; the two newest kept. A resume takes the newest that reads whole, naming any damaged one it
@@ -323,10 +326,15 @@ class Checkpoints:
         self.saved = tf.train.Checkpoint(model=model, optimizer=optimizer, steps=self.steps, settings=self.settings)
         for prefix in self.newest_first():
             try:
-                kept = json.loads(tf.train.load_checkpoint(prefix).get_tensor("settings/.ATTRIBUTES/VARIABLE_VALUE"))
-            except (tf.errors.OpError, ValueError, KeyError, IndexError) as err:  # cut short, or not ours
+                reader = tf.train.load_checkpoint(prefix)
+                ours = reader.has_tensor(SETTINGS)  # tf.train.CheckpointManager's files are ckpt-N too
+                kept = json.loads(reader.get_tensor(SETTINGS)) if ours else None
+            except (tf.errors.OpError, ValueError, KeyError, IndexError) as err:  # cut short
                 print(f"checkpoint: {prefix} is damaged ({type(err).__name__}); trying an older one")
                 continue
+            if not ours:  # not to pass over, then overwrite or delete as older than the two newest
+                refuse(f"--checkpoint {self.folder}: {prefix} was not saved by this program (it holds no run "
+                       "settings); give an empty folder, or the one this program saved into")  # fmt: skip
             if other := {k: (kept.get(k), v) for k, v in settings.items() if kept.get(k) != v}:
                 said = ", ".join(f"--{k.replace('_', '-')} {a} (this run: {b})" for k, (a, b) in other.items())
                 refuse(f"--checkpoint {self.folder}: {prefix} was saved with {said}; give those, or an empty folder")

@@ -11,6 +11,7 @@ import common
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -156,3 +157,18 @@ def test_a_program_starts_without_tensorflows_start_up_lines():
                           cwd=ROOT / "examples")  # fmt: skip
     assert done.returncode == 0 and done.stdout.strip() == "1", done.stderr
     assert done.stderr == "", done.stderr
+
+
+def test_another_programs_checkpoints_in_the_folder_exit_2_and_are_kept(tmp_path, capsys):
+    """tf.train.CheckpointManager names its files ckpt-N too: they are not damaged ones of this program, to pass over
+    and then overwrite or delete as older than the two newest."""
+    manager = tf.train.CheckpointManager(tf.train.Checkpoint(v=tf.Variable(3.0)), str(tmp_path), max_to_keep=5)
+    for _ in range(3):
+        manager.save()
+    before = sorted(p.name for p in tmp_path.iterdir())
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    with pytest.raises(SystemExit) as stop:
+        common.Checkpoints(str(tmp_path)).restore(model, keras.optimizers.Adam(), {"batch": 8})
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and "ckpt-3 was not saved by this program" in err and "an empty folder" in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
