@@ -11,6 +11,7 @@ run), batch norm over the whole batch. check_data_parallel.py holds --check (aga
     python train_multi_gpu.py --baseline --breakdown      # against one GPU; where a step's time goes
 """
 
+import inspect
 import sys
 import time
 from types import SimpleNamespace
@@ -56,7 +57,7 @@ def build(args, devices, input_shape, make_optimizer=None, all_sum=None):
         cross_device_ops = tf.distribute.ReductionToOneDevice() if args.all_reduce == "central" else None
         strategy = dp.mirrored_strategy(devices, cross_device_ops)
         with strategy.scope():  # one copy of every variable per device, Adam's too
-            synchronized = {"synchronized": True} if args.bn == "sync" else {}  # a make_model may not take it
+            synchronized = {"synchronized": True} if args.bn == "sync" and takes_synchronized() else {}
             model, optimizer = make_model(input_shape, **synchronized), make_optimizer()
             optimizer.build(model.trainable_variables)
         copies = [strategy.experimental_local_results(v.value) for v in [*model.weights, *optimizer.variables]]
@@ -197,12 +198,9 @@ def mirrored_sync_problem(model, input_shape):
     BatchNormalization layers made with synchronized=True, which make_model must pass on to each of them."""
     if not [x for x in common.all_layers(model) if isinstance(x, keras.layers.BatchNormalization) and x.trainable]:
         return None
-    try:
-        model = make_model(input_shape, synchronized=True)
-    except TypeError as err:
-        if "synchronized" not in str(err):
-            raise
+    if not takes_synchronized():
         return f"make_model takes no synchronized argument: {PASS_IT_ON}"
+    model = make_model(input_shape, synchronized=True)
     if left := [x.name for x in common.all_layers(model) if isinstance(x, keras.layers.BatchNormalization)
                 and x.trainable and not x.synchronized]:  # fmt: skip
         return f"make_model(synchronized=True) leaves {left[0]} unsynchronized: {PASS_IT_ON}"
@@ -210,6 +208,12 @@ def mirrored_sync_problem(model, input_shape):
 
 
 PASS_IT_ON = "pass synchronized on to each BatchNormalization"
+
+
+def takes_synchronized():
+    """Does make_model take `synchronized` (a reader's may have dropped it)?"""
+    kinds = {p.name: p.kind for p in inspect.signature(make_model).parameters.values()}
+    return "synchronized" in kinds or inspect.Parameter.VAR_KEYWORD in kinds.values()
 
 
 def plan(args, devices, data):

@@ -184,6 +184,8 @@ def test_a_make_model_without_synchronized_trains_under_mirrored_with_local_batc
     assert "batch norm: local, each replica its own 8 examples (auto would synchronize, but make_model takes no" in (
         capsys.readouterr().out
     )
+    monkeypatch.setattr(program, "make_model", lambda _shape: sequential(keras.layers.Conv2D(4, 3)))  # no BN at all
+    assert main(["--strategy", "mirrored", "--batch", "16", "--steps", "1"], devs) == 0
 
 
 @pytest.mark.parametrize(
