@@ -254,6 +254,11 @@ def plan(args, devices, data):
     print(cli.bn_said(args, n, why_local if wanted != args.bn else None))
     print(cli.lr_said(args))
     print(cli.gradients_said(args, model))
+    per_epoch = len(x) // args.batch
+    if args.steps and not args.check and args.steps > (held := args.epochs * per_epoch):  # --steps stops early only
+        epochs = -(-args.steps // per_epoch)
+        print(f"--steps {args.steps}: --epochs {args.epochs} hold {held} steps of {args.batch}; it trains {held} "
+              f"(give --epochs {epochs} for {args.steps})")  # fmt: skip
 
 
 # What a checkpoint must have been saved with: the batch its step count counts, and what its optimizer restores

@@ -332,6 +332,15 @@ def test_a_resume_with_another_learning_rate_exits_2_not_trained_at_the_saved_on
     assert "--scale-lr none (this run: sqrt)" in refused([*again, "--scale-lr", "sqrt"], capsys)
 
 
+def test_more_steps_than_the_epochs_hold_says_how_many_it_trains(devs, monkeypatch, capsys):
+    monkeypatch.setattr(program, "build", lambda *_a, **_k: pytest.skip("said; not trained here"))
+    with pytest.raises(pytest.skip.Exception):
+        main(["--batch", "128", "--steps", "1000", "--epochs", "2"], devs)  # 1497 digits: 11 steps an epoch
+    assert "--steps 1000: --epochs 2 hold 22 steps of 128; it trains 22 (give --epochs 91 for 1000)" in (
+        capsys.readouterr().out
+    )
+
+
 @pytest.mark.slow
 def test_a_resume_with_nothing_left_to_train_says_so(devs, tmp_path, monkeypatch, capsys):
     argv = ["--batch", "16", "--steps-per-call", "1", "--checkpoint", str(tmp_path / "ckpt")]
