@@ -193,16 +193,14 @@ def accuracy(model, x, y, batch=1000):
     return float(np.mean(predicted == y))
 
 
-def mirrored_sync_problem(model, input_shape):
+def mirrored_sync_problem(model):
     """Why MirroredStrategy would leave `model`'s batch norm unsynchronized, or None: Keras synchronizes the
-    BatchNormalization layers made with synchronized=True, which make_model must pass on to each of them."""
-    if not [x for x in common.all_layers(model) if isinstance(x, keras.layers.BatchNormalization) and x.trainable]:
-        return None
-    if not takes_synchronized():
+    BatchNormalization layers made with synchronized=True (`model` was asked for it), which make_model must pass on
+    to each of them."""
+    norms = [x for x in common.all_layers(model) if isinstance(x, keras.layers.BatchNormalization) and x.trainable]
+    if norms and not takes_synchronized():
         return f"make_model takes no synchronized argument: {PASS_IT_ON}"
-    model = make_model(input_shape, synchronized=True)
-    if left := [x.name for x in common.all_layers(model) if isinstance(x, keras.layers.BatchNormalization)
-                and x.trainable and not x.synchronized]:  # fmt: skip
+    if left := [x.name for x in norms if not x.synchronized]:
         return f"make_model(synchronized=True) leaves {left[0]} unsynchronized: {PASS_IT_ON}"
     return None
 
@@ -227,8 +225,9 @@ def plan(args, devices, data):
         )
     replicated = args.strategy == "replicated"
     with cli.precision(args.precision):
-        model = make_model(x.shape[1:])
-        sync_problem = common.sync_bn_problem(model) if replicated else mirrored_sync_problem(model, x.shape[1:])
+        asked = {} if replicated or not takes_synchronized() else {"synchronized": True}  # one model: the same seeds
+        model = make_model(x.shape[1:], **asked)
+        sync_problem = common.sync_bn_problem(model) if replicated else mirrored_sync_problem(model)
     if problem := common.output_problem(model, x) or args.bn == "sync" and sync_problem:
         fix = "; --bn local or --strategy mirrored take any model" if replicated else ", or give --bn local"
         common.refuse(problem + fix * (problem == sync_problem))
