@@ -98,6 +98,8 @@ def data_problem(name, x, y, smallest):
             f"x_{name} has shape {x.shape}: give images (N, height, width), or (N, height, width, 3) in colour, "
             f"at least {smallest}x{smallest}"
         )
+    if y.shape == (len(x), 10):
+        return f"y_{name} has shape {y.shape}: one-hot labels; give each image's class, y.argmax(axis=1)"
     if y.shape != x.shape[:1] or not len(y):
         return f"y_{name} has shape {y.shape}: give one label per image, shape ({len(x)},) (y.ravel()), none empty"
     if not np.isfinite(x).all():
@@ -108,6 +110,11 @@ def data_problem(name, x, y, smallest):
         return (
             f"x_{name}: float pixels from {x.min():g} to {x.max():g}; give floats in [0, 1] (used as they are) "
             "or whole numbers 0 to 255 (divided by 255)"
+        )
+    if np.issubdtype(x.dtype, np.integer) and (x.min() < 0 or x.max() > 255):  # 12-bit, 16-bit or signed images
+        return (
+            f"x_{name}: whole-number pixels from {x.min()} to {x.max()}; give whole numbers 0 to 255 (divided by "
+            "255) or floats in [0, 1] (used as they are), e.g. (x - x.min()) / (x.max() - x.min())"
         )
     return None
 
@@ -213,9 +220,25 @@ def json_ready(value):
     return None if isinstance(value, float) and not np.isfinite(value) else value
 
 
+def input_problem(model):
+    """Why `model` would not see the pixels load_data gives (float32 in [0, 1]), or None: an input of whole numbers
+    (they would be cast to 0 or 1), or a Rescaling that divides them again (to [0, 0.004]); both train, wrongly."""
+    if kept := [i.dtype for i in getattr(model, "inputs", None) or [] if not keras.backend.is_float_dtype(i.dtype)]:
+        return (f"the model's input is {kept[0]}, and these programs feed float32 pixels in [0, 1] (whole numbers "
+                "divided by 255): give keras.Input(shape) without a dtype, and no Rescaling(1 / 255)")  # fmt: skip
+    for layer in [x for x in all_layers(model) if isinstance(x, keras.layers.Rescaling)]:
+        if np.all(np.abs(np.asarray(layer.scale, np.float64)) < 0.01):  # 1 / 255, 1 / 127.5: pixels already divided
+            return (f"these programs feed pixels already in [0, 1], and the model's Rescaling(scale="
+                    f"{np.max(layer.scale):.3g}) divides them again: drop it")  # fmt: skip
+    return None
+
+
 def output_problem(model, x):
     """Why `model`'s outputs are not one logit per class for images like x, or None: the programs take LOGITS
-    (no softmax at the end), as the method's loss does; a model that ends in softmax would train far worse."""
+    (no softmax at the end), as the method's loss does; a model that ends in softmax would train far worse. Its
+    input first (input_problem)."""
+    if problem := input_problem(model):
+        return problem
     try:
         out = np.asarray(model(x[:4], training=False), np.float64)
     except (TypeError, ValueError, tf.errors.OpError) as err:  # another input shape, or several inputs
@@ -273,6 +296,9 @@ def random_layers(model):
     return [x for x in all_layers(model) if any(isinstance(v, keras.random.SeedGenerator) for v in vars(x).values())]
 
 
+SETTINGS = "settings/.ATTRIBUTES/VARIABLE_VALUE"  # the run's settings in a checkpoint of Checkpoints
+
+
 class Checkpoints:
     """--checkpoint DIR: a model, its optimizer and the steps done, saved as DIR/ckpt-N (N: steps done) with the
     run's settings; the two newest kept. A resume takes the newest that reads whole, naming any damaged one it
@@ -300,12 +326,17 @@ class Checkpoints:
         self.saved = tf.train.Checkpoint(model=model, optimizer=optimizer, steps=self.steps, settings=self.settings)
         for prefix in self.newest_first():
             try:
-                kept = json.loads(tf.train.load_checkpoint(prefix).get_tensor("settings/.ATTRIBUTES/VARIABLE_VALUE"))
-            except (tf.errors.OpError, ValueError, KeyError, IndexError) as err:  # cut short, or not ours
+                reader = tf.train.load_checkpoint(prefix)
+                ours = reader.has_tensor(SETTINGS)  # tf.train.CheckpointManager's files are ckpt-N too
+                kept = json.loads(reader.get_tensor(SETTINGS)) if ours else None
+            except (tf.errors.OpError, ValueError, KeyError, IndexError) as err:  # cut short
                 print(f"checkpoint: {prefix} is damaged ({type(err).__name__}); trying an older one")
                 continue
+            if not ours:  # not to pass over, then overwrite or delete as older than the two newest
+                refuse(f"--checkpoint {self.folder}: {prefix} was not saved by this program (it holds no run "
+                       "settings); give an empty folder, or the one this program saved into")  # fmt: skip
             if other := {k: (kept.get(k), v) for k, v in settings.items() if kept.get(k) != v}:
-                said = ", ".join(f"--{k} {a} (this run: {b})" for k, (a, b) in other.items())
+                said = ", ".join(f"--{k.replace('_', '-')} {a} (this run: {b})" for k, (a, b) in other.items())
                 refuse(f"--checkpoint {self.folder}: {prefix} was saved with {said}; give those, or an empty folder")
             try:
                 self.saved.read(prefix).assert_existing_objects_matched()

@@ -193,9 +193,7 @@ def precision(name):
 
 def bn_said(args, n, why_local=None):
     why = f" (auto: sync below {SYNC_BELOW} examples a device, where a share's statistics get noisy)"
-    why = (
-        f" (auto would synchronize, but {why_local}; --strategy mirrored synchronizes any model)" if why_local else why
-    )
+    why = f" (auto would synchronize, but {why_local})" if why_local else why
     if args.bn == "sync":
         return f"batch norm: synchronized, the statistics of all {args.batch} examples{why * (args.bn_asked == 'auto')}"
     return f"batch norm: local, each replica its own {args.batch // n} examples{why * (args.bn_asked == 'auto')}"

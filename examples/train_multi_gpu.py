@@ -11,6 +11,7 @@ run), batch norm over the whole batch. check_data_parallel.py holds --check (aga
     python train_multi_gpu.py --baseline --breakdown      # against one GPU; where a step's time goes
 """
 
+import inspect
 import sys
 import time
 from types import SimpleNamespace
@@ -56,7 +57,8 @@ def build(args, devices, input_shape, make_optimizer=None, all_sum=None):
         cross_device_ops = tf.distribute.ReductionToOneDevice() if args.all_reduce == "central" else None
         strategy = dp.mirrored_strategy(devices, cross_device_ops)
         with strategy.scope():  # one copy of every variable per device, Adam's too
-            model, optimizer = make_model(input_shape, synchronized=args.bn == "sync"), make_optimizer()
+            synchronized = {"synchronized": True} if args.bn == "sync" and takes_synchronized() else {}
+            model, optimizer = make_model(input_shape, **synchronized), make_optimizer()
             optimizer.build(model.trainable_variables)
         copies = [strategy.experimental_local_results(v.value) for v in [*model.weights, *optimizer.variables]]
         per_device = [list(vs) for vs in zip(*copies, strict=True)]  # each device's own copies
@@ -129,6 +131,9 @@ def train(args, run, data, saver):
     total = min(args.steps or args.epochs * per_epoch, args.epochs * per_epoch)
     feed, metrics, timed, seconds, profiling = run.feed(x, y, skip=done), {}, 0, 0.0, False
     writer = tf.summary.create_file_writer(args.logdir) if args.logdir else None
+    if done >= total:  # a resumed run already as long as this one: no loss, accuracy nor timing to say
+        print(f"checkpoint: nothing to train: ckpt-{done} has done {done} steps, and this run asks {total}; give "
+              "more --steps or --epochs")  # fmt: skip
     while done < total:
         epoch, steps = done // per_epoch, min(per_epoch - done % per_epoch, total - done)
         print(f"epoch {epoch + 1}/{args.epochs}")
@@ -188,6 +193,27 @@ def accuracy(model, x, y, batch=1000):
     return float(np.mean(predicted == y))
 
 
+def mirrored_sync_problem(model):
+    """Why MirroredStrategy would leave `model`'s batch norm unsynchronized, or None: Keras synchronizes the
+    BatchNormalization layers made with synchronized=True (`model` was asked for it), which make_model must pass on
+    to each of them."""
+    norms = [x for x in common.all_layers(model) if isinstance(x, keras.layers.BatchNormalization) and x.trainable]
+    if norms and not takes_synchronized():
+        return f"make_model takes no synchronized argument: {PASS_IT_ON}"
+    if left := [x.name for x in norms if not x.synchronized]:
+        return f"make_model(synchronized=True) leaves {left[0]} unsynchronized: {PASS_IT_ON}"
+    return None
+
+
+PASS_IT_ON = "pass synchronized on to each BatchNormalization"
+
+
+def takes_synchronized():
+    """Does make_model take `synchronized` (a reader's may have dropped it)?"""
+    kinds = {p.name: p.kind for p in inspect.signature(make_model).parameters.values()}
+    return "synchronized" in kinds or inspect.Parameter.VAR_KEYWORD in kinds.values()
+
+
 def plan(args, devices, data):
     """Everything decided before any work, said, or refused with the fix: batch norm, the all-reduce, the model."""
     (x, _), n = data[0], len(devices)
@@ -197,11 +223,14 @@ def plan(args, devices, data):
             f"--batch {args.batch}: give a multiple of the {n} devices, at most the {len(x)} training "
             f"images, e.g. {min(max(n, args.batch // n * n), most)}"
         )
+    replicated = args.strategy == "replicated"
     with cli.precision(args.precision):
-        model = make_model(x.shape[1:])
-    sync_problem = common.sync_bn_problem(model) if args.strategy == "replicated" else None
+        asked = {} if replicated or not takes_synchronized() else {"synchronized": True}  # one model: the same seeds
+        model = make_model(x.shape[1:], **asked)
+        sync_problem = common.sync_bn_problem(model) if replicated else mirrored_sync_problem(model)
     if problem := common.output_problem(model, x) or args.bn == "sync" and sync_problem:
-        common.refuse(problem + "; --bn local or --strategy mirrored take any model" * (problem == sync_problem))
+        fix = "; --bn local or --strategy mirrored take any model" if replicated else ", or give --bn local"
+        common.refuse(problem + fix * (problem == sync_problem))
     args.bn_asked = args.bn
     wanted = args.bn if args.bn != "auto" else "sync" if args.batch // n < cli.SYNC_BELOW else "local"
     args.bn = "local" if wanted == "sync" and sync_problem else wanted
@@ -220,9 +249,20 @@ def plan(args, devices, data):
         f"{args.strategy}: {n} replicas of {args.batch // n} examples on {devices}; all-reduce: "
         f"{said if args.strategy == 'replicated' else cli.mirrored_said(devices, args.all_reduce)}"
     )
-    print(cli.bn_said(args, n, sync_problem if wanted != args.bn else None))
+    why_local = sync_problem + "; --strategy mirrored synchronizes any model" * replicated if sync_problem else None
+    print(cli.bn_said(args, n, why_local if wanted != args.bn else None))
     print(cli.lr_said(args))
     print(cli.gradients_said(args, model))
+    per_epoch = len(x) // args.batch
+    if args.steps and not args.check and args.steps > (held := args.epochs * per_epoch):  # --steps stops early only
+        epochs = -(-args.steps // per_epoch)
+        print(f"--steps {args.steps}: --epochs {args.epochs} hold {held} steps of {args.batch}; it trains {held} "
+              f"(give --epochs {epochs} for {args.steps})")  # fmt: skip
+
+
+# What a checkpoint must have been saved with: the batch its step count counts, and what its optimizer restores
+# (Adam's learning rate is one of its variables: another --lr would be said and not used).
+RESUMED_AS_SAVED = ("batch", "precision", "warmup", "lr", "scale_lr", "lr_batch")
 
 
 def main(argv=None):
@@ -237,7 +277,7 @@ def main(argv=None):
     else:
         with cli.precision(args.precision):
             run = build(args, devices, data[0][0].shape[1:])
-        saver.restore(run.model, run.optimizer, {k: vars(args)[k] for k in ("batch", "precision", "warmup")})
+        saver.restore(run.model, run.optimizer, {k: vars(args)[k] for k in RESUMED_AS_SAVED})
         run.restored()
         metrics = common.stopped_by_a_device(lambda: train(args, run, data, saver), args.timeout)
         if args.baseline or not common.simulated(devices):

@@ -11,6 +11,7 @@ import common
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -28,9 +29,18 @@ def _mnist_like(x_train=None, y_train=None, dtype=np.uint8):
             "x_test": x[:10], "y_test": y[:10]}  # fmt: skip
 
 
+OTHER_NUMBERS = {  # images and labels stored as other numbers than MNIST's
+    "12-bit whole numbers": lambda good: {"x_train": good["x_train"].astype(np.uint16) * 16},  # 0 to 4080: / 255, 16
+    "negative whole numbers": lambda good: {"x_train": good["x_train"].astype(np.int16) - 128},  # centred on 0
+    "one-hot labels": lambda good: {"y_train": np.eye(10)[good["y_train"]]},
+}
+
+
 def _bad_data(tmp_path, kind):
     """An --data file of each kind a user may give by mistake."""
     good = _mnist_like()
+    if kind in OTHER_NUMBERS:
+        return _npz(tmp_path / "m.npz", **_mnist_like(**OTHER_NUMBERS[kind](good)))
     if kind == "corrupt":
         path = tmp_path / "mnist.npz"
         path.write_bytes(b"PK\x03\x04 not a whole zip file")
@@ -62,6 +72,9 @@ def _bad_data(tmp_path, kind):
         ("a NaN pixel", "x_train: 1 pixels are not finite"),
         ("labels 1 to 10", "labels must be the whole numbers 0 to 9"),
         ("float pixels 0 to 255", "float pixels from 0 to 255; give floats in [0, 1]"),
+        ("12-bit whole numbers", "whole-number pixels from 0 to 4080; give whole numbers 0 to 255"),
+        ("negative whole numbers", "whole-number pixels from -128 to 127; give whole numbers 0 to 255"),
+        ("one-hot labels", "y_train has shape (40, 10): one-hot labels; give each image's class, y.argmax(axis=1)"),
         ("test images of another size", "x_train holds 8x8x1 images (height x width x channels) and x_test 12x12x1"),
     ],
 )
@@ -144,3 +157,18 @@ def test_a_program_starts_without_tensorflows_start_up_lines():
                           cwd=ROOT / "examples")  # fmt: skip
     assert done.returncode == 0 and done.stdout.strip() == "1", done.stderr
     assert done.stderr == "", done.stderr
+
+
+def test_another_programs_checkpoints_in_the_folder_exit_2_and_are_kept(tmp_path, capsys):
+    """tf.train.CheckpointManager names its files ckpt-N too: they are not damaged ones of this program, to pass over
+    and then overwrite or delete as older than the two newest."""
+    manager = tf.train.CheckpointManager(tf.train.Checkpoint(v=tf.Variable(3.0)), str(tmp_path), max_to_keep=5)
+    for _ in range(3):
+        manager.save()
+    before = sorted(p.name for p in tmp_path.iterdir())
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    with pytest.raises(SystemExit) as stop:
+        common.Checkpoints(str(tmp_path)).restore(model, keras.optimizers.Adam(), {"batch": 8})
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and "ckpt-3 was not saved by this program" in err and "an empty folder" in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == before

@@ -149,10 +149,51 @@ def test_batch_norm_that_synchronization_cannot_reach_is_refused_under_sync_and_
     assert "batch norm: local, each replica its own 8 examples (auto would synchronize, but" in capsys.readouterr().out
 
 
+def whole_number_input():
+    """A model for uint8 pixels, as a Keras tutorial feeds them: the programs feed floats in [0, 1], cast to 0 or 1."""
+    inputs = keras.Input((8, 8, 1), dtype="uint8")
+    return keras.Model(inputs, sequential()(keras.layers.Rescaling(1 / 255)(inputs)))
+
+
+def batch_norm_model(synchronized=False):
+    return sequential(
+        keras.layers.Conv2D(4, 3, use_bias=False), keras.layers.BatchNormalization(synchronized=synchronized)
+    )
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda _shape: batch_norm_model(), "make_model takes no synchronized argument"),
+        (lambda _shape, synchronized=False: batch_norm_model(), "leaves batch_normalization"),  # noqa: ARG005 (ignored)
+    ],
+)
+def test_batch_norm_that_make_model_leaves_unsynchronized_is_refused_under_mirrored_sync(devs, monkeypatch, capsys,
+                                                                                          make, message):  # fmt: skip
+    monkeypatch.setattr(program, "make_model", make)
+    monkeypatch.setattr(program, "build", lambda *_a, **_k: pytest.fail("built a run before refusing the model"))
+    err = refused(["--strategy", "mirrored", "--bn", "sync", "--devices", ",".join(devs[:2]), "--data", "digits"],
+                  capsys)  # fmt: skip
+    assert message in err and "pass synchronized on to each BatchNormalization, or give --bn local" in err, err
+
+
+@pytest.mark.slow
+def test_a_make_model_without_synchronized_trains_under_mirrored_with_local_batch_norm(devs, monkeypatch, capsys):
+    monkeypatch.setattr(program, "make_model", lambda _shape: batch_norm_model())
+    assert main(["--strategy", "mirrored", "--batch", "16", "--steps", "1"], devs) == 0  # --bn auto: local, said
+    assert "batch norm: local, each replica its own 8 examples (auto would synchronize, but make_model takes no" in (
+        capsys.readouterr().out
+    )
+    monkeypatch.setattr(program, "make_model", lambda _shape: sequential(keras.layers.Conv2D(4, 3)))  # no BN at all
+    assert main(["--strategy", "mirrored", "--batch", "16", "--steps", "1"], devs) == 0
+
+
 @pytest.mark.parametrize(
     "make, message",
     [
         (lambda: keras.Sequential([*sequential().layers, keras.layers.Softmax()]), "these programs take LOGITS"),
+        (whole_number_input, "the model's input is uint8"),
+        (lambda: sequential(keras.layers.Rescaling(1 / 255)), "Rescaling(scale=0.00392) divides them again"),
         (two_inputs, "the model cannot take a batch of these images"),
         (lambda: keras.Sequential([keras.Input((8, 8, 1)), keras.layers.Flatten(), keras.layers.Dense(7)]),
          "return (batch, 10)"),
@@ -181,6 +222,19 @@ def test_every_option_passes_check_against_one_device(devs, capsys, extra):
     assert main(["--check", "--steps", "4", "--batch", "24", *extra], devs, n=3) == 0
     last = capsys.readouterr().out.splitlines()[-1]
     assert last.startswith("check: float64: ") and last.endswith(": ok"), last
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["replicated", "mirrored"])
+def test_check_passes_a_right_run_of_a_model_with_a_bias_before_batch_norm(devs, monkeypatch, capsys, strategy):
+    """Keras' Conv2D has a bias; batch norm after it makes its gradient zero but for rounding, so the bias stays
+    near 0 and its relative difference is rounding over rounding."""
+    make = lambda _shape, synchronized=False: sequential(  # noqa: E731
+        keras.layers.Conv2D(4, 3), keras.layers.BatchNormalization(synchronized=synchronized)
+    )
+    monkeypatch.setattr(program, "make_model", make)
+    assert main(["--check", "--steps", "2", "--batch", "16", "--bn", "sync", "--strategy", strategy], devs) == 0
+    assert capsys.readouterr().out.splitlines()[-1].endswith(": ok")
 
 
 def test_check_finds_gradients_averaged_instead_of_summed(devs, monkeypatch, capsys):
@@ -267,6 +321,34 @@ def test_checkpoints_resume_from_the_newest_intact_and_refuse_another_run(devs, 
     err = refused([*argv[:-1], str(copy), "--epochs", "4", "--devices", ",".join(devs[:2]), "--data", "digits"],
                   capsys)  # fmt: skip
     assert "was saved from another model" in err
+
+
+@pytest.mark.slow
+def test_a_resume_with_another_learning_rate_exits_2_not_trained_at_the_saved_one(devs, tmp_path, monkeypatch, capsys):
+    argv = ["--batch", "16", "--steps-per-call", "1", "--checkpoint", str(tmp_path / "ckpt")]
+    final_weights([*argv, "--steps", "1"], devs, monkeypatch)  # Adam's learning rate is a variable it saves
+    again = [*argv, "--steps", "2", "--devices", ",".join(devs[:2]), "--data", "digits"]
+    assert "was saved with --lr 0.001 (this run: 0.01)" in refused([*again, "--lr", "0.01"], capsys)
+    assert "--scale-lr none (this run: sqrt)" in refused([*again, "--scale-lr", "sqrt"], capsys)
+
+
+def test_more_steps_than_the_epochs_hold_says_how_many_it_trains(devs, monkeypatch, capsys):
+    monkeypatch.setattr(program, "build", lambda *_a, **_k: pytest.skip("said; not trained here"))
+    with pytest.raises(pytest.skip.Exception):
+        main(["--batch", "128", "--steps", "1000", "--epochs", "2"], devs)  # 1497 digits: 11 steps an epoch
+    assert "--steps 1000: --epochs 2 hold 22 steps of 128; it trains 22 (give --epochs 91 for 1000)" in (
+        capsys.readouterr().out
+    )
+
+
+@pytest.mark.slow
+def test_a_resume_with_nothing_left_to_train_says_so(devs, tmp_path, monkeypatch, capsys):
+    argv = ["--batch", "16", "--steps-per-call", "1", "--checkpoint", str(tmp_path / "ckpt")]
+    final_weights([*argv, "--steps", "2"], devs, monkeypatch)
+    final_weights([*argv, "--steps", "1"], devs, monkeypatch)
+    assert "nothing to train: ckpt-2 has done 2 steps, and this run asks 1; give more --steps or --epochs" in (
+        capsys.readouterr().out
+    )
 
 
 def test_a_checkpoint_folder_that_cannot_be_written_exits_2_before_any_work(tmp_path, capsys):
