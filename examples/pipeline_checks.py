@@ -47,10 +47,21 @@ def model_problem(model, x, recompute):
             f"{', '.join(drawn)}; Keras layers {named}): the second draw differs from the first, so the backward "
             "would not be the gradient of the forward that made the loss. Drop --recompute, or the random layers"
         )
-    held = [v.path for v in model.non_trainable_variables if "seed_generator" not in v.path]
-    if recompute and held:
-        return f"--recompute runs each forward twice, and the model's state {held[0]} would change twice; drop one"
+    if recompute and (written := state_written(model, x)):
+        return f"--recompute runs each forward twice, and the model's state {written[0]} would change twice; drop one"
     return common.output_problem(model, x)
+
+
+def state_written(model, x):
+    """The paths of the non-trainable variables that a training forward on x[:2] changes, each put back after: a
+    layer's state (a counter, moving statistics), not a frozen layer's weights, which no forward writes."""
+    held = [v for v in model.non_trainable_variables if "seed_generator" not in v.path]
+    before = [v.numpy() for v in held]
+    model(tf.constant(x[:2], keras.config.floatx()), training=True)
+    written = [v.path for v, old in zip(held, before, strict=True) if not np.array_equal(v.numpy(), old)]
+    for v, old in zip(held, before, strict=True):
+        v.assign(old)
+    return written
 
 
 def check(args, devices, data, program):
