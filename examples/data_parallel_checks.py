@@ -15,10 +15,11 @@ import numpy as np
 import tensorflow as tf
 
 # One step of 16-bit SGD against one device, weight moves compared as vectors: bfloat16 keeps 8 significant bits
-# (2^-8 = 0.4%), float16 11 (0.05%); a step sums thousands of rounded products. Allowed: 16 units of that rounding;
-# measured with the course's CNN on 2 devices, 6 seeds, batches 8 and 16: up to 5.6 units (bfloat16) and 3.6
-# (float16). A wrong method is off by far more: an average for a sum by 1 - 1/N, 50% or more.
-TOLERANCE = {"float64": 1e-5, "bfloat16": 16 * 2.0**-8, "float16": 16 * 2.0**-11}
+# (2^-8 = 0.4%), float16 11 (0.05%); a step sums thousands of rounded products. Measured with the course's CNN on
+# 2 devices, 6 seeds, batches 8 and 16: up to 5.6 units of that rounding (bfloat16) and 3.6 (float16); and 16.1
+# units (bfloat16) under --strategy mirrored --jit on 3 devices. Allowed: 32 units of bfloat16's (12.5%), 16 of
+# float16's (0.8%). A wrong method is off by far more: an average for a sum by 1 - 1/N, 50% or more.
+TOLERANCE = {"float64": 1e-5, "bfloat16": 32 * 2.0**-8, "float16": 16 * 2.0**-11}
 
 
 def check(args, devices, data, program):
