@@ -20,13 +20,13 @@ import tensorflow as tf
 from pipeline_schedules import EVERY_SCHEDULE, orders_of, placement_of, simulate, stages_of, whole_number
 
 
-class Profile(NamedTuple):
-    rows: int  # examples per micro-batch the times were measured at
-    forward: tuple  # seconds per layer
+class Profile(NamedTuple):  # rows: examples per micro-batch; then per layer, seconds (forward...), then bytes
+    rows: int
+    forward: tuple
     input_grad: tuple
     weight_grad: tuple
-    backward: tuple  # the whole backward
-    until_b: tuple  # bytes per layer
+    backward: tuple
+    until_b: tuple
     until_w: tuple
     b_to_w: tuple
     inputs: tuple
@@ -47,8 +47,7 @@ class Plan(NamedTuple):
 
 def check_profile(profile):
     """The profile, or a ValueError that says which field is wrong and how."""
-    n = len(profile.forward)
-    if not n:
+    if not (n := len(profile.forward)):
         raise ValueError("the profile has no layers: measure_profile(layers, ...) with at least one layer.")
     for name in Profile._fields[1:]:
         values = getattr(profile, name)
@@ -133,7 +132,8 @@ def configurations(n_layers, devices, micro_batches, max_v=4):
 def plan(profiles, batch, devices, memory_limit=float("inf"), t_send=0.0, schedules=EVERY_SCHEDULE, max_v=4):
     """Every configuration that fits `memory_limit` bytes per device, fastest predicted step first (then least
     memory). `profiles`: {rows: Profile} for each micro-batch size worth trying (M = batch / rows); `t_send`:
-    seconds for a hand-off between two devices (measure_send); `schedules`: those to try (one device is always)."""
+    seconds for a hand-off between two devices (measure_send), or a function of the bytes handed off (the largest
+    input of a chunk); `schedules`: those to try (one device is always)."""
     batch, devices = check_plan(profiles, batch, devices, memory_limit, t_send, schedules)
     n, found = len(next(iter(profiles.values())).forward), []
     for kind, S, v, M in configurations(n, devices, [batch // r for r in profiles], max_v):
@@ -152,6 +152,8 @@ def predict(profile, kind, S, v, M, recompute, t_send):
     """The Plan of one configuration: its layers cut into S v chunks of balanced F + backward, simulated."""
     orders, placement = orders_of(kind, S, M, v), placement_of(kind, S, v)
     cut = balanced_cut(np.add(profile.forward, profile.backward), S * v)
+    if callable(t_send):  # the largest tensor handed from chunk to chunk
+        t_send = t_send(max(profile.inputs[c] for c in cut[1:])) if S * v > 1 else 0.0
     boxes = simulate(orders, *device_times(profile, cut, placement, orders, recompute), t_send, placement)
     step = max(start + took for *_, start, took in boxes)
     busy = [sum(took for dev, *_, took in boxes if dev == d) for d in range(S)]
@@ -170,8 +172,9 @@ def check_plan(profiles, batch, devices, memory_limit, t_send, schedules):
                              "must be a multiple of its rows: key each profile by its rows.")  # fmt: skip
     if len({len(p.forward) for p in profiles.values()}) > 1:
         raise ValueError("the profiles have different numbers of layers: measure one model at every size.")
-    if not memory_limit > 0 or not 0 <= t_send < float("inf"):
-        raise ValueError(f"memory_limit must be > 0 bytes, t_send a finite time >= 0: got {memory_limit}, {t_send}.")
+    if not memory_limit > 0 or not (callable(t_send) or 0 <= t_send < float("inf")):
+        raise ValueError(f"memory_limit must be > 0 bytes, t_send a finite time >= 0 (or a function of bytes): got "
+                         f"{memory_limit}, {t_send}.")  # fmt: skip
     unknown = set(schedules) - set(EVERY_SCHEDULE)
     if unknown:
         raise ValueError(f"unknown schedules {sorted(unknown)}: choose from {EVERY_SCHEDULE}.")
@@ -234,16 +237,13 @@ def _gradients(run, h, variables, with_input):
 
 
 def measure_send(shape, source, target, repeats=9):
-    """Seconds to copy a float32 tensor of `shape` from device `source` to `target`, less a copy within `source`."""
+    """Seconds to hand a float32 tensor of `shape` from device `source` to `target`: read there, less read at home."""
     with tf.device(source):
         t = tf.random.normal(shape)
-
-    def copy(device):
-        return tf.function(lambda t: tf.identity(t) if device is None else _on(device, t))
-
-    return max(_seconds(copy(target), t, repeats=repeats) - _seconds(copy(source), t, repeats=repeats), 0.0)
+    read = {d: tf.function(lambda t, d=d: _read_on(d, t)) for d in (source, target)}
+    return max(_seconds(read[target], t, repeats=repeats) - _seconds(read[source], t, repeats=repeats), 0.0)
 
 
-def _on(device, t):
+def _read_on(device, t):
     with tf.device(device):
-        return tf.identity(t) + 0.0
+        return tf.reduce_max(t)  # reads all of t where it runs; one number comes back

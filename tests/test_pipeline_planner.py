@@ -158,3 +158,10 @@ def test_a_real_models_profile_is_measured():
     with pytest.raises(ValueError, match="rows=16 is more than the 8 examples"):
         planner.measure_profile(layers, x, y, models.cross_entropy, "/CPU:0", rows=16)
     assert planner.measure_send([64, 64], "/CPU:0", "/CPU:0", repeats=3) >= 0.0
+
+
+def test_a_send_time_may_be_a_function_of_the_bytes_handed_off():
+    handed = []
+    plans = planner.plan({8: profile(8)}, BATCH, devices=2, t_send=lambda nbytes: handed.append(nbytes) or 0.1)
+    assert set(handed) == {8.0}  # the input of every chunk but the first: 1 byte a row, 8 rows
+    assert find(plans, "1f1b", 1).step == pytest.approx(pipeline_cost.one_f_one_b_step(2, 1, 4, 4, 4, t_send=0.1))
