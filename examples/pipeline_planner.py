@@ -1,14 +1,12 @@
 """Choose a pipeline for your model: which schedule, how many stages S (and chunks v), micro-batches M and whether
-to recompute, under a memory limit per device. `plan` predicts each configuration's step time with
-pipeline_schedules.simulate and its peak activation memory per device from the schedule's order, drops those over
-the limit and returns the rest, fastest first. `measure_profile` times your model's layers on one device and sizes
-what they keep, so that you can plan your own model; `measure_send` times a hand-off between two devices.
-
-A profile holds, per layer and for one micro-batch of `rows` examples: the forward time F, the input-gradient time
-B, the weight-gradient time W and the whole backward (B and W at once, cheaper than both apart); the bytes an F
-keeps until its B (read only by the input's gradient), until its W (read by the weights' gradient: a Dense layer's
-input), and those a B leaves for its W (the output gradients); each layer's input bytes (all a chunk keeps when it
-recomputes) and its weights' bytes (with their gradients and optimizer state).
+to recompute, under a memory limit per device. `plan` predicts each configuration's step with
+pipeline_schedules.simulate and each device's peak activation memory along the schedule's order, drops those over
+the limit and ranks the rest, fastest first. `measure_profile` times your model's layers on one device and sizes
+what they keep; `measure_send` times a hand-off. A profile holds, per layer, for a micro-batch of `rows` examples:
+seconds of its forward F, input gradient B, weights' gradient W and whole backward (cheaper than B and W apart);
+bytes an F keeps until its B (read by the input's gradient only), until its W (read by the weights' gradient: a
+Dense layer's input), and that a B leaves for its W (output gradients); its input's bytes (all a chunk keeps when
+it recomputes) and its weights' (with their gradients and optimizer state).
 """
 
 import itertools
@@ -181,23 +179,25 @@ def check_plan(profiles, batch, devices, memory_limit, t_send, schedules):
     return batch, devices
 
 
-def _seconds(fn, *args, repeats=7):
-    """Median seconds of fn(*args) on its device, after one untimed call (tracing)."""
-    fn(*args)
+def _each(op, hs, repeats):
+    """Median seconds of op(h) for one h of `hs`: op on each in ONE call, which shares out the call's own cost (a
+    round trip to a core device), one number sent back; after one untimed call (tracing)."""
+    fn = tf.function(lambda hs: tf.add_n([tf.reduce_sum(t) for h in hs for t in tf.nest.flatten(op(h))]))
+    fn(hs).numpy()
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        tf.nest.map_structure(lambda t: t.numpy(), fn(*args))
+        fn(hs).numpy()
         times.append(time.perf_counter() - start)
-    return float(np.median(times))
+    return float(np.median(times)) / len(hs)
 
 
-def measure_profile(layers, x, y, loss_fn, device, rows, repeats=7, optimizer_slots=2):
+def measure_profile(layers, x, y, loss_fn, device, rows, repeats=7, optimizer_slots=2, copies=8):
     """A Profile of `layers` (callables in order, each with its `trainable_variables`; the last one's output goes
-    to `loss_fn(out, y)`) at micro-batches of `rows` examples of x, each op a tf.function timed on `device`: F, and
-    F with B, with W and with both, less F. Bytes from the tensors' sizes: each layer's output is kept from F until
-    W (the next layer's W reads it as its input), its output gradient from B to W if it has weights; its weights
-    are counted 2 + `optimizer_slots` times (the weights, the summed gradient, Adam's two moments)."""
+    to `loss_fn(out, y)`) at micro-batches of `rows` examples of x, timed on `device`: F, and F with B, with W and
+    with both, less F, each on `copies` inputs per call. Bytes from the tensors' sizes: each layer's output is kept
+    from F until W (the next layer's W reads it as its input), its output gradient from B to W if it has weights;
+    its weights are counted 2 + `optimizer_slots` times (weights, summed gradient, Adam's two moments)."""
     rows = whole_number(rows, "rows")
     if rows > int(x.shape[0]):
         raise ValueError(f"rows={rows} is more than the {x.shape[0]} examples given: give a batch of at least rows.")
@@ -205,17 +205,17 @@ def measure_profile(layers, x, y, loss_fn, device, rows, repeats=7, optimizer_sl
     nbytes = lambda t: int(np.prod(t.shape)) * t.dtype.size  # noqa: E731
     with tf.device(device):
         h, labels = tf.identity(x[:rows]), tf.identity(y[:rows])
-        call = _seconds(tf.function(tf.identity), h, repeats=repeats)  # a call's own cost, left out of F
         for i, layer in enumerate(layers):
+            hs = [h * (1 + j / 64) for j in range(copies)]  # distinct inputs: no op is computed once for all
             last = i == len(layers) - 1
             run = (lambda h, layer=layer: loss_fn(layer(h), labels)) if last else layer
             variables = list(getattr(layer, "trainable_variables", ()))
-            forward = _seconds(tf.function(run), h, repeats=repeats)
-            times["F"].append(max(forward - call, 0.0))
+            forward = _each(run, hs, repeats)
+            times["F"].append(max(forward - _each(tf.identity, hs, repeats), 0.0))  # less reading the input
             for kind, with_input, wrt in (("B", True, []), ("W", False, variables), ("BW", True, variables)):
                 with_input = with_input and i > 0  # the first layer's input is data: no gradient
-                grads = tf.function(lambda h, run=run, a=with_input, wrt=wrt: _gradients(run, h, wrt, a))
-                times[kind].append(_seconds(grads, h, repeats=repeats) - forward if with_input or wrt else 0.0)
+                grads = lambda h, run=run, a=with_input, wrt=wrt: _gradients(run, h, wrt, a)  # noqa: E731
+                times[kind].append(_each(grads, hs, repeats) - forward if with_input or wrt else 0.0)
             out = run(h)
             sizes["in"].append(nbytes(h))
             sizes["out"].append(0 if last else nbytes(out))
@@ -240,10 +240,10 @@ def measure_send(shape, source, target, repeats=9):
     """Seconds to hand a float32 tensor of `shape` from device `source` to `target`: read there, less read at home."""
     with tf.device(source):
         t = tf.random.normal(shape)
-    read = {d: tf.function(lambda t, d=d: _read_on(d, t)) for d in (source, target)}
-    return max(_seconds(read[target], t, repeats=repeats) - _seconds(read[source], t, repeats=repeats), 0.0)
+    there, home = (_each(lambda t, d=d: _read_on(d, t), [t], repeats) for d in (target, source))
+    return max(there - home, 0.0)
 
 
-def _read_on(device, t):
+def _read_on(device, t):  # the largest value of t, read on `device`
     with tf.device(device):
-        return tf.reduce_max(t)  # reads all of t where it runs; one number comes back
+        return tf.reduce_max(t)
