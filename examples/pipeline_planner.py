@@ -11,36 +11,17 @@ it recomputes) and its weights' (with their gradients and optimizer state).
 
 import itertools
 import time
-from typing import NamedTuple
+from collections import namedtuple
 
 import numpy as np
 import tensorflow as tf
 from pipeline_schedules import EVERY_SCHEDULE, orders_of, placement_of, simulate, stages_of, whole_number
 
-
-class Profile(NamedTuple):  # rows: examples per micro-batch; then per layer, seconds (forward...), then bytes
-    rows: int
-    forward: tuple
-    input_grad: tuple
-    weight_grad: tuple
-    backward: tuple
-    until_b: tuple
-    until_w: tuple
-    b_to_w: tuple
-    inputs: tuple
-    weights: tuple
-
-
-class Plan(NamedTuple):
-    schedule: str
-    S: int
-    v: int
-    M: int
-    recompute: bool
-    cut: tuple  # the first layer of each chunk
-    step: float  # predicted seconds per step
-    peak: tuple  # predicted bytes per device at its peak
-    idle: float  # the largest idle share of the step
+# Per layer, for a micro-batch of `rows` examples: seconds (forward ... backward), then bytes (until_b ... weights).
+Profile = namedtuple("Profile", "rows forward input_grad weight_grad backward until_b until_w b_to_w inputs weights")
+# A configuration: cut, the first layer of each chunk; step, seconds; peak, bytes per device; idle, the largest
+# share of the step that a device idles.
+Plan = namedtuple("Plan", "schedule S v M recompute cut step peak idle")
 
 
 def check_profile(profile):
@@ -80,16 +61,18 @@ def chunk_sums(values, cut):  # per chunk, the sum over its layers
     return [sum(values[a:b]) for a, b in zip(bounds, bounds[1:])]  # noqa: B905 (one shorter by design)
 
 
-def device_times(profile, cut, placement, orders, recompute):
+def device_times(profile, cut, placement, orders, recompute, hop=0.0):
     """Per device, (F, B, W) of one micro-batch through all its chunks; B of a device that does not split its
-    backwards is the whole backward less W (simulate adds W back); recomputation adds F to B."""
+    backwards is the whole backward less W (simulate adds W back); recomputation adds F to B; an F or B whose
+    output goes to another device takes `hop` more (its sender waits until it has arrived)."""
     fields = ("forward", "input_grad", "weight_grad", "backward")
     f, b, w, whole = (chunk_sums(getattr(profile, k), cut) for k in fields)
     times = [[0.0, 0.0, 0.0] for _ in orders]
     for k, d in enumerate(placement):
         split = any(op[0] == "W" for op in orders[d])
-        times[d][0] += f[k]
-        times[d][1] += (b[k] if split else whole[k] - w[k]) + (f[k] if recompute else 0.0)
+        down, up = (0 <= j < len(placement) and placement[j] != d for j in (k + 1, k - 1))
+        times[d][0] += f[k] + hop * down
+        times[d][1] += (b[k] if split else whole[k] - w[k]) + (f[k] if recompute else 0.0) + hop * up
         times[d][2] += w[k]
     return [list(t) for t in zip(*times)]  # noqa: B905
 
@@ -127,17 +110,19 @@ def configurations(n_layers, devices, micro_batches, max_v=4):
         yield from ((kind, S, v, M) for kind, v in kinds if S * v <= n_layers)
 
 
-def plan(profiles, batch, devices, memory_limit=float("inf"), t_send=0.0, schedules=EVERY_SCHEDULE, max_v=4):
+def plan(profiles, batch, devices, memory_limit=float("inf"), t_send=0.0, schedules=EVERY_SCHEDULE, max_v=4,
+         sender_waits=True):  # fmt: skip
     """Every configuration that fits `memory_limit` bytes per device, fastest predicted step first (then least
     memory). `profiles`: {rows: Profile} for each micro-batch size worth trying (M = batch / rows); `t_send`:
     seconds for a hand-off between two devices (measure_send), or a function of the bytes handed off (the largest
-    input of a chunk); `schedules`: those to try (one device is always)."""
+    input of a chunk); `sender_waits`: an op that hands off ends once it has arrived (pipeline_parallel's
+    wait_for_arrival, on by default on CPUs), else only the receiver waits; `schedules`: those to try."""
     batch, devices = check_plan(profiles, batch, devices, memory_limit, t_send, schedules)
     n, found = len(next(iter(profiles.values())).forward), []
     for kind, S, v, M in configurations(n, devices, [batch // r for r in profiles], max_v):
         if kind in schedules or S == 1:
             for recompute in (False, True):
-                found.append(predict(profiles[batch // M], kind, S, v, M, recompute, t_send))
+                found.append(predict(profiles[batch // M], kind, S, v, M, recompute, t_send, sender_waits))
     fits = [p for p in found if max(p.peak) <= memory_limit]
     if not fits:
         least = min(max(p.peak) for p in found)
@@ -146,13 +131,14 @@ def plan(profiles, batch, devices, memory_limit=float("inf"), t_send=0.0, schedu
     return sorted(fits, key=lambda p: (p.step, max(p.peak)))
 
 
-def predict(profile, kind, S, v, M, recompute, t_send):
+def predict(profile, kind, S, v, M, recompute, t_send, sender_waits=True):
     """The Plan of one configuration: its layers cut into S v chunks of balanced F + backward, simulated."""
     orders, placement = orders_of(kind, S, M, v), placement_of(kind, S, v)
     cut = balanced_cut(np.add(profile.forward, profile.backward), S * v)
     if callable(t_send):  # the largest tensor handed from chunk to chunk
         t_send = t_send(max(profile.inputs[c] for c in cut[1:])) if S * v > 1 else 0.0
-    boxes = simulate(orders, *device_times(profile, cut, placement, orders, recompute), t_send, placement)
+    times = device_times(profile, cut, placement, orders, recompute, t_send if sender_waits else 0.0)
+    boxes = simulate(orders, *times, 0.0 if sender_waits else t_send, placement)
     step = max(start + took for *_, start, took in boxes)
     busy = [sum(took for dev, *_, took in boxes if dev == d) for d in range(S)]
     peak = peak_memory(profile, cut, orders, placement, recompute)
@@ -236,14 +222,17 @@ def _gradients(run, h, variables, with_input):
     return tape.gradient(out, [h] * with_input + list(variables), unconnected_gradients=tf.UnconnectedGradients.ZERO)
 
 
-def measure_send(shape, source, target, repeats=9):
-    """Seconds to hand a float32 tensor of `shape` from device `source` to `target`: read there, less read at home."""
+def measure_send(shape, source, target, repeats=9, hops=16):
+    """Seconds to hand a float32 tensor of `shape` between devices `source` and `target` inside one graph, as a
+    pipeline does: a chain of `hops` ops alternately on each, less the same chain all on `source`, per hop."""
     with tf.device(source):
         t = tf.random.normal(shape)
-    there, home = (_each(lambda t, d=d: _read_on(d, t), [t], repeats) for d in (target, source))
-    return max(there - home, 0.0)
+    there, home = (_each(lambda t, p=p: _chain(t, p, hops), [t], repeats) for p in ([target, source], [source]))
+    return max(there - home, 0.0) / hops
 
 
-def _read_on(device, t):  # the largest value of t, read on `device`
-    with tf.device(device):
-        return tf.reduce_max(t)
+def _chain(t, path, hops):  # t through `hops` ops placed in turn on the devices of `path`
+    for i in range(hops):
+        with tf.device(path[i % len(path)]):
+            t = t + 1.0
+    return tf.reduce_max(t)

@@ -44,7 +44,8 @@ def test_predicted_steps_are_the_closed_forms_on_equal_stages(M):
 
 
 def test_with_sends_the_steps_are_the_closed_forms_too():
-    plans = planner.plan(PROFILES, BATCH, devices=2, t_send=0.1)
+    """Where only the receiver waits for a hand-off, as pipeline_cost's closed forms assume."""
+    plans = planner.plan(PROFILES, BATCH, devices=2, t_send=0.1, sender_waits=False)
     F = B = W = 0.5
     assert find(plans, "1f1b", 8).step == pytest.approx(pipeline_cost.one_f_one_b_step(2, 8, F, B, W, t_send=0.1))
     assert find(plans, "gpipe", 8).step == pytest.approx(pipeline_cost.gpipe_step(2, 8, F, B, W, t_send=0.1))
@@ -162,7 +163,9 @@ def test_a_real_models_profile_is_measured():
 
 def test_a_send_time_may_be_a_function_of_the_bytes_handed_off():
     handed = []
-    plans = planner.plan({8: profile(8)}, BATCH, devices=2, t_send=lambda nbytes: handed.append(nbytes) or 0.1)
+    plans = planner.plan(
+        {8: profile(8)}, BATCH, 2, t_send=lambda nbytes: handed.append(nbytes) or 0.1, sender_waits=False
+    )
     assert set(handed) == {8.0}  # the input of every chunk but the first: 1 byte a row, 8 rows
     assert find(plans, "1f1b", 1).step == pytest.approx(pipeline_cost.one_f_one_b_step(2, 1, 4, 4, 4, t_send=0.1))
 
@@ -203,3 +206,13 @@ def test_predicted_peaks_are_near_the_bytes_read_from_the_traced_step(devs, smal
     if kind == "zb_h1":
         _, without = activations(got._replace(b_to_w=(0,) * 8))
         assert without[1] < 0.65 * read[1]
+
+
+def test_where_the_sender_waits_for_its_hand_off_each_sending_op_takes_the_send_longer():
+    """GPipe, S = 2, M = 2, a stage's F = B = W = 2 (whole backward 4), a send of 0.5. The sender waits (a CPU's
+    hand-off): device 0's forwards end at 2.5 and 5; device 1's at 4.5 and 7, its backwards (which send up) at 11.5
+    and 16; device 0's at 15.5 and 20. Only the receiver waiting: pipeline_cost's 19."""
+    plans = planner.plan({4: profile(4)}, BATCH, devices=2, t_send=0.5)
+    assert find(plans, "gpipe", 2).step == pytest.approx(20.0)
+    plans = planner.plan({4: profile(4)}, BATCH, devices=2, t_send=0.5, sender_waits=False)
+    assert find(plans, "gpipe", 2).step == pytest.approx(pipeline_cost.gpipe_step(2, 2, 2, 2, 2, t_send=0.5)) == 19
