@@ -6,7 +6,8 @@ what they keep; `measure_send` times a hand-off. A profile holds, per layer, for
 seconds of its forward F, input gradient B, weights' gradient W and whole backward (cheaper than B and W apart);
 bytes an F keeps until its B (read by the input's gradient only), until its W (read by the weights' gradient: a
 Dense layer's input), and that a B leaves for its W (output gradients); its input's bytes (all a chunk keeps when
-it recomputes) and its weights' (with their gradients and optimizer state).
+it recomputes) and its weights' (with their gradients and optimizer state). Left out: each op's fixed cost (the
+executor's; between processes, their waits), which grows with v M per device: measure the first few choices.
 """
 
 import itertools
