@@ -16,6 +16,7 @@ import sys
 import time
 from types import SimpleNamespace
 
+import checkpoints
 import common  # first: it imports TensorFlow with its start-up lines filtered
 import data_parallel as dp
 import data_parallel_checks as checks
@@ -268,7 +269,7 @@ RESUMED_AS_SAVED = ("batch", "precision", "warmup", "lr", "scale_lr", "lr_batch"
 def main(argv=None):
     args = cli.parse(argv, __doc__.split("\n\n")[0])
     keras.utils.set_random_seed(args.seed)  # the same weights, hence accuracy, on the same machine
-    saver = common.Checkpoints(args.checkpoint)  # refuses a folder it cannot write, before any work
+    saver = checkpoints.Checkpoints(args.checkpoint)  # refuses a folder it cannot write, before any work
     data = common.load_data(args.data, smallest=4)  # the CNN pools twice by 2
     devices = common.choose_devices(args.devices, args.simulate, want=None)
     plan(args, devices, data)

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import checkpoints
 import common
 import keras
 import numpy as np
@@ -168,7 +169,7 @@ def test_another_programs_checkpoints_in_the_folder_exit_2_and_are_kept(tmp_path
     before = sorted(p.name for p in tmp_path.iterdir())
     model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
     with pytest.raises(SystemExit) as stop:
-        common.Checkpoints(str(tmp_path)).restore(model, keras.optimizers.Adam(), {"batch": 8})
+        checkpoints.Checkpoints(str(tmp_path)).restore(model, keras.optimizers.Adam(), {"batch": 8})
     err = capsys.readouterr().err
     assert stop.value.code == 2 and "ckpt-3 was not saved by this program" in err and "an empty folder" in err, err
     assert sorted(p.name for p in tmp_path.iterdir()) == before
