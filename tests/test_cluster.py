@@ -166,6 +166,12 @@ time.sleep(300)  # until the test's signal
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def _default_signals():
+    """In the child: SIGHUP and SIGTERM as a terminal's session would deliver them, whatever the suite inherited."""
+    for sig in (signal.SIGHUP, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_DFL)
+
+
 @pytest.mark.parametrize(
     "ending",
     ["returns", signal.SIGTERM, signal.SIGHUP, signal.SIGKILL],
@@ -177,14 +183,17 @@ def test_workers_die_with_their_driver(tmp_path, ending):
     worker = _script(tmp_path, "time.sleep(300)\n")
     how = ending if isinstance(ending, str) else "waits"
     process = subprocess.Popen(
-        [sys.executable, str(driver), str(worker), how], stdout=subprocess.PIPE, env=env_with_root()
+        [sys.executable, str(driver), str(worker), how],
+        stdout=subprocess.PIPE,
+        env=env_with_root(),
+        preexec_fn=_default_signals,  # a suite started under nohup would hand the driver an ignored SIGHUP
     )
     pids = [int(pid) for pid in process.stdout.readline().split()]
     try:
         assert len(pids) == 2
         if not isinstance(ending, str):
             process.send_signal(ending)
-        process.wait()
+        process.wait(timeout=60)  # the worker sleeps 300 s: a driver that outlives the signal fails here
         assert all_dead(pids), f"workers {pids} outlived their driver ({ending})"
     finally:
         kill_leftovers(pids)
