@@ -93,11 +93,13 @@ def _one_device(kind, timeout):
     return done.stdout
 
 
+@pytest.mark.slow
 def test_a_device_that_fails_before_its_all_reduce_stops_the_step_with_its_error():
     out = _one_device("fails", timeout=300.0)  # the others' all-reduce is cancelled, not left waiting 300 s
     assert out.startswith("InvalidArgumentError") and "this device's activations" in out, out
 
 
+@pytest.mark.slow
 def test_a_device_that_hangs_past_the_timeout_stops_the_step_with_deadline_exceeded():
     assert _one_device("hangs", timeout=1.0).startswith("DeadlineExceededError")
 
@@ -236,6 +238,7 @@ VARIANTS = {
 
 @pytest.mark.parametrize("n", [2, 3, 4, 8])
 @pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.slow
 def test_every_variant_of_the_step_traces_on_gpu_names_with_every_op_on_its_replica(n, variant):
     step, feeds, owners = _step_on(GPUS[:n], nccl=True, **VARIANTS[variant])
     report = placement.audit(step, feeds, 1, owners=owners)

@@ -230,6 +230,7 @@ def test_a_timeout_that_is_not_positive_is_refused(timeout, capsys):
     assert stop.value.code == 2 and "give the seconds a run may take, > 0" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_the_audit_child_reports_every_op_with_its_owner_on_logical_devices(devs, tmp_path, capsys):
     from tutorial_lib import gpu_audit
 

@@ -87,6 +87,7 @@ def assert_like_one_device(replicas, single):
 
 @pytest.mark.parametrize("kind", ["1f1b", "zb_h1", "zb_v"])
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
+@pytest.mark.slow
 def test_two_stages_times_two_replicas_on_four_devices_equal_one_device(devs, kind, name):
     replicas, steps, _ = pipeline(devs[:4], kind, OPTIMIZERS[name])
     single = models.Sequential(layers())
@@ -100,6 +101,7 @@ def test_two_stages_times_two_replicas_on_four_devices_equal_one_device(devs, ki
 @pytest.mark.parametrize("replicas_n", [1, 2])
 @pytest.mark.parametrize("post_validate", [True, False])
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
+@pytest.mark.slow
 def test_global_clipping_across_stages_equals_keras_global_clipnorm_on_one_device(devs, replicas_n, post_validate,
                                                                                    name):  # fmt: skip
     clip = 0.7  # the global norms are 0.58, 0.81 and 0.54 (stage 1 alone 0.38, 0.57 and 0.30): step 2 is clipped
@@ -120,6 +122,7 @@ def test_global_clipping_across_stages_equals_keras_global_clipnorm_on_one_devic
 
 @pytest.mark.parametrize("replicas_n", [1, 2])
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
+@pytest.mark.slow
 def test_an_overflow_in_one_stage_skips_every_stages_update_as_a_loss_scale_optimizer_on_one_device(devs, replicas_n,
                                                                                                      name):  # fmt: skip
     settings = {"initial": 2.0**4, "growth_steps": 2}

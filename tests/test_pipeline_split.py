@@ -156,6 +156,7 @@ def test_w_is_deferred_where_the_schedule_says(devs):
     assert [label for label in pipeline_graph.executed_orders(pipe, x, y)[0] if label != "F"] == ["B+W"] * 4
 
 
+@pytest.mark.slow
 def test_kept_bytes_follow_the_schedule_recomputation_and_zb_h1s_merged_first_stage(devs):
     x, y = batch(64)
     kept = {}

@@ -177,6 +177,7 @@ def test_every_pipeline_schedule_keeps_each_stage_on_its_device(devs, schedule):
     assert report.ok and report.variables_checked > 20, report
 
 
+@pytest.mark.slow
 def test_the_take_away_pipeline_keeps_each_chunk_and_its_dropout_seeds_on_its_device_for_every_schedule(devs):
     from tutorial_lib import gpu_audit
 
@@ -207,6 +208,7 @@ def _updated_elsewhere(right):
     [(None, None, None), (dp, "all_reduce_gradients", _all_reduced_elsewhere),
      (pipelined.pg, "device_update", _updated_elsewhere)],
 )  # fmt: skip
+@pytest.mark.slow
 def test_the_take_away_pipelines_replicas_all_reduce_and_update_each_stage_on_its_device(
     devs, monkeypatch, module, name, misplace
 ):

@@ -74,6 +74,7 @@ def test_replicas_of_the_pipeline_and_clipping_across_stages_pass_check_in_float
     [(["--replicas", "2"], "all_reduce_stages", lambda grads, _replicas, _sums: grads),
      (["--clipnorm", "0.05"], "verdict", lambda state, _clip_norm, right=pg.verdict: right(state, None))],
 )  # fmt: skip
+@pytest.mark.slow
 def test_check_finds_replicas_that_step_on_their_share_alone_and_a_clip_left_out(
     devs, monkeypatch, capsys, argv, broken, replaced
 ):
@@ -95,6 +96,7 @@ def test_recomputation_passes_check_for_a_model_without_dropout(devs, capsys, mo
     assert ", recomputed," in line and "(ok;" in line, line
 
 
+@pytest.mark.slow
 def test_a_correct_run_that_float32_adam_called_different_passes_in_float64(devs, capsys):
     # Issue 49/51: under oneDNN, a float32 comparison of this run said "they differ" (3e-2); in float64, 0.
     argv = ["--check", "--steps", "3", "--batch", "499", "--micro-batches", "1", "--devices", devs[0]]
@@ -103,6 +105,7 @@ def test_a_correct_run_that_float32_adam_called_different_passes_in_float64(devs
     assert float(line.split("difference ")[1].split()[0]) < 1e-12, line
 
 
+@pytest.mark.slow
 def test_check_finds_a_step_that_is_not_the_one_device_step(devs, monkeypatch, capsys):
     update = pp.update_stages
 
@@ -274,6 +277,7 @@ def test_staged_training_takes_one_adam_step_a_stage_per_batch(devs):
     assert np.isfinite(metrics["loss"]) and 0 <= metrics["test_accuracy"] <= 1
 
 
+@pytest.mark.slow
 def test_replicas_train_in_step_one_adam_step_a_stage_and_replica_per_batch_clipped(devs):
     """2 replicas of 2 stages, 2 steps clipped at a norm of 1: every stage's Adam steps on every replica, and the
     all-reduced gradients keep the replicas' weights equal though each draws its own dropout masks."""
