@@ -4,6 +4,7 @@ DIR/ckpt-N; a resume takes the newest that reads whole and refuses one that does
 import json
 from pathlib import Path
 
+import common  # noqa: F401 (first: it imports TensorFlow with its start-up lines filtered)
 import tensorflow as tf
 from common import refuse
 
