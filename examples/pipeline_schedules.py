@@ -135,7 +135,7 @@ def bubble_rate(orders, t_forward=1.0, t_input=1.0, t_weight=1.0, t_send=0.0, pl
     """The largest idle time of a device over its busy time: Megatron-LM's bubble time fraction (arXiv:2104.04473,
     sec. 2.2). Equal stages, F = B = W: (S-1)/M for GPipe and 1F1B, (S-1)/(vM) interleaved, for ZB-H1
     (S-1)/(3M) where M >= S (a third of 1F1B's; with fewer micro-batches than stages, more: 2/3 at S = 4, M = 1),
-    and none for ZB-V where M >= 2S (its placement: `placement_of("zb_v", S)`)."""
+    and (S-1)/(6M) for ZB-V where M >= 2S (half of ZB-H1's; its placement: `placement_of("zb_v", S)`)."""
     times = busy_idle(orders, t_forward, t_input, t_weight, t_send, placement)
     return max(idle / busy for busy, idle in times)
 

@@ -112,8 +112,8 @@ def bubble_rate(orders, t_forward=1.0, t_input=1.0, t_weight=1.0, *, t_send=0.0,
     M >= 2S (half of ZB-H1's: only its start, a half-stage forward per device, is idle). The zero-bubble paper's
     "bubble rate" (arXiv:2401.10241, sec. 5.3) divides the idle time by the whole step instead, its cost being the
     longest span of a stage from its first op to its last (pipeline_cost.bubble_rate), in which ZB-V has none."""
-    times = simulated_busy_idle(orders, t_forward, t_input, t_weight, t_send=t_send, placement=placement)
-    return max(idle / busy for busy, idle in times)
+    _times(t_forward=t_forward, t_input=t_input, t_weight=t_weight, t_send=t_send)
+    return lesson.bubble_rate(checked(orders), t_forward, t_input, t_weight, t_send, placement)
 
 
 def stash_split(order):
