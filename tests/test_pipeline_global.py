@@ -11,7 +11,7 @@ import pipeline_schedules as ps
 import pytest
 import tensorflow as tf
 
-from tutorial_lib import models, placement, reference
+from tutorial_lib import models, pipeline_graph, placement, reference
 
 GPUS = [f"/GPU:{i}" for i in range(4)]
 OPTIMIZERS = {
@@ -148,18 +148,6 @@ def test_an_overflow_in_one_stage_skips_every_stages_update_as_a_loss_scale_opti
         assert int(rolled[0]) == (replicas_n if step == 2 else 0)
 
 
-def _ancestors(op):
-    """The names of every op `op` waits for, through its inputs and control inputs."""
-    seen, todo = set(), [op]
-    while todo:
-        current = todo.pop()
-        for parent in [t.op for t in current.inputs] + list(current.control_inputs):
-            if parent.name not in seen:
-                seen.add(parent.name)
-                todo.append(parent)
-    return seen
-
-
 @pytest.mark.parametrize("post_validate", [True, False])
 def test_the_update_taken_at_once_waits_not_for_the_stage_that_finishes_last(devs, post_validate):
     replicas, steps, _ = pipeline(devs[:2], "zb_h1", OPTIMIZERS["SGD"], 0.6, post_validate)
@@ -168,7 +156,7 @@ def test_the_update_taken_at_once_waits_not_for_the_stage_that_finishes_last(dev
     stage_1 = replicas[0].physical[1]  # ZB-H1's stage 1 finishes first: its update comes first in the chain
     conds = [op for op in graph.get_operations() if op.type in ("If", "StatelessIf") and op.device == stage_1
              and "update" in op.name]  # fmt: skip
-    first = _ancestors(conds[0])  # the step taken at once, or (without post-validation) the only one
+    first = pipeline_graph._ancestors(conds[0])  # the step taken at once, or (without post-validation) the only one
     kind, m = ps.zb_h1(2, 4)[0][-1]  # stage 0's last op, B3: whatever waits for any of its ops waits for its start
     assert (f"stage0/{kind}{m}/start" in first) != post_validate
 

@@ -273,13 +273,18 @@ def test_clean_notebooks_rewrites_only_what_changed(tmp_path):
         assert tool.dumps(tool.clean(json.loads(text), str(ROOT))) == text, path.name
 
 
-def test_make_notebooks_cleans_what_it_executed(tmp_path):
+def _makefile_without_install(folder):
+    """The course's Makefile in `folder`, with a .venv stamp newer than pyproject.toml: make plans no install."""
     for name in ("Makefile", "course.mk"):
-        shutil.copy(ROOT / name, tmp_path)
-    (tmp_path / "pyproject.toml").write_text("")
-    (tmp_path / ".venv").mkdir()
-    (tmp_path / ".venv" / ".installed").write_text("")  # newer than pyproject.toml: no install
-    os.utime(tmp_path / "pyproject.toml", (0, 0))
+        shutil.copy(ROOT / name, folder)
+    (folder / "pyproject.toml").write_text("")
+    (folder / ".venv").mkdir()
+    (folder / ".venv" / ".installed").write_text("")
+    os.utime(folder / "pyproject.toml", (0, 0))
+
+
+def test_make_notebooks_cleans_what_it_executed(tmp_path):
+    _makefile_without_install(tmp_path)
     plan = subprocess.run(
         ["make", "-n", "notebooks"],
         cwd=tmp_path,
@@ -320,12 +325,7 @@ def test_a_log_level_set_by_the_user_or_the_makefile_wins():
 def _make_test_plan(tmp_path, *args) -> str:
     tmp_path = tmp_path / "_".join(("plan", *args))
     tmp_path.mkdir()
-    for name in ("Makefile", "course.mk"):
-        shutil.copy(ROOT / name, tmp_path)
-    (tmp_path / "pyproject.toml").write_text("")
-    (tmp_path / ".venv").mkdir()
-    (tmp_path / ".venv" / ".installed").write_text("")  # newer than pyproject.toml: no install
-    os.utime(tmp_path / "pyproject.toml", (0, 0))
+    _makefile_without_install(tmp_path)
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHON", "MAKEFLAGS", "MAKELEVEL")}
     return subprocess.run(
         ["make", "-n", "test", *args], cwd=tmp_path, capture_output=True, text=True, env=env, check=True
