@@ -191,7 +191,9 @@ def test_predicted_peaks_are_near_the_bytes_read_from_the_traced_step(devs, smal
     from tutorial_lib import pipeline_graph
     from tutorial_lib.bench import planner as bench_planner
 
-    got, x, y = small_mlp
+    measured, x, y = small_mlp
+    # measured sizes, equal times: the cut (balanced by time) is then the same on a quiet or a busy machine
+    got = measured._replace(forward=(1.0,) * 8, input_grad=(1.0,) * 8, weight_grad=(1.0,) * 8, backward=(2.0,) * 8)
     placement = ps.placement_of(kind, 2, v)
 
     def activations(profile):  # the predicted peaks less each device's weights
