@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tutorial_lib import cluster, core_devices, devices, processes
+from tutorial_lib import cluster, core_devices, devices, processes, timeline
 
 ROOT = Path(__file__).resolve().parents[1]
 DEADLINE_S = 10.0  # how long stopped workers may take to disappear
@@ -257,12 +257,23 @@ def test_a_dependency_chain_runs_on_one_device_after_the_other(connected):
     assert 0 < sum(report["busy"].values()) <= 1.15
 
 
+def _both_computing_ms(report) -> float:
+    """Milliseconds during which both devices were running a matmul or tanh at the same time."""
+    first, second = (timeline.merged(_compute(report, d)) for d in TASK)
+    return sum(max(0.0, min(e1, e2) - max(s1, s2)) for s1, e1 in first for s2, e2 in second)
+
+
 @pytest.mark.slow
 def test_independent_chains_keep_both_devices_busy(connected):
     report = _report(connected, "PARALLEL")
     assert {d for d, *_ in report["events"]} == set(TASK)
     assert all(len(_compute(report, d)) == 2 * 48 for d in TASK)  # 2 steps of 24 matmuls and 24 tanhs
-    assert sum(report["busy"].values()) > 1.3
+    # Neither chain waits for the other: the two devices compute at the same time. How much of
+    # the span both are busy depends on the machine's load (a busy CI machine measured 1.26
+    # devices on average, a quiet one over 1.5), so the test asserts the overlap, not its size;
+    # the dependent chain above has none.
+    assert _both_computing_ms(report) > 0
+    assert _both_computing_ms(_report(connected, "SEQUENTIAL")) == 0
 
 
 @pytest.mark.slow
