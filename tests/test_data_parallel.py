@@ -150,7 +150,10 @@ def _feeds(devs, x, y, global_batch):
     return feeds
 
 
-@pytest.mark.parametrize("n, bucket_bytes, frozen", [(2, 0, False), (3, 1 << 20, True), (4, 300, False)])
+@pytest.mark.parametrize(
+    "n, bucket_bytes, frozen",
+    [(2, 0, False), (3, 1 << 20, True), pytest.param(4, 300, False, marks=pytest.mark.slow)],
+)
 def test_the_synchronized_step_equals_keras_on_one_device_over_the_whole_batch_in_float64(
     devs, n, bucket_bytes, frozen
 ):
@@ -189,6 +192,7 @@ def test_the_synchronized_step_equals_keras_on_one_device_over_the_whole_batch_i
 def test_a_float16_step_that_overflows_leaves_the_moving_statistics_as_the_weights(devs):
     keras.config.set_dtype_policy("mixed_float16")
     try:
+        keras.utils.set_random_seed(0)  # whether 6e4 overflows depends on the weights: fixed ones, whatever ran before
         replicas = dp.make_replicas(lambda: cnn(l2=0.0), devs[:2])
         adam = lambda: keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam(1e-3))  # noqa: E731
         optimizers = dp.replica_optimizers(replicas, devs[:2], adam)
