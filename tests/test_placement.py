@@ -166,7 +166,15 @@ def test_the_mirrored_strategy_step_keeps_each_copy_on_its_device(devs):
     assert report.ok and report.variables_checked == len(copies) * 2, report
 
 
-@pytest.mark.parametrize("schedule", ["sequential", "gpipe", "1f1b", "zb_h1"])
+@pytest.mark.parametrize(
+    "schedule",
+    [
+        pytest.param("sequential", marks=pytest.mark.slow),
+        pytest.param("gpipe", marks=pytest.mark.slow),
+        "1f1b",
+        "zb_h1",
+    ],
+)
 def test_every_pipeline_schedule_keeps_each_stage_on_its_device(devs, schedule):
     stages = pipelined.make_chunks(devs[:3], (8, 8, 1), seed=0)
     pipe = pipeline.Pipeline(stages, devs[:3], 2, schedule=schedule, optimizer=keras.optimizers.Adam(1e-3))

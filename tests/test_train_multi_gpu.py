@@ -237,6 +237,7 @@ def test_check_passes_a_right_run_of_a_model_with_a_bias_before_batch_norm(devs,
     assert capsys.readouterr().out.splitlines()[-1].endswith(": ok")
 
 
+@pytest.mark.slow  # make unit keeps the check's other planted fault (a replica normalizing with its own share)
 def test_check_finds_gradients_averaged_instead_of_summed(devs, monkeypatch, capsys):
     summed = dp.all_reduce_gradients
     averaged = lambda grads, devices, *a: [[g / len(devices) for g in r] for r in summed(grads, devices, *a)]  # noqa: E731

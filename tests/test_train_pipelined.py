@@ -39,7 +39,8 @@ def _check_lines(capsys):
 
 @pytest.mark.parametrize(
     "argv",
-    [["--schedule", "1f1b"], ["--schedule", "zb_h1"], pytest.param(["--schedule", "gpipe"], marks=pytest.mark.slow),
+    [["--schedule", "1f1b"], pytest.param(["--schedule", "zb_h1"], marks=pytest.mark.slow),
+     pytest.param(["--schedule", "gpipe"], marks=pytest.mark.slow),
      pytest.param(["--schedule", "sequential"], marks=pytest.mark.slow),
      pytest.param(["--schedule", "interleaved", "--micro-batches", "3"], marks=pytest.mark.slow)],
 )  # fmt: skip
@@ -51,11 +52,11 @@ def test_every_schedule_passes_check_in_float64_on_the_askers_three_devices(devs
     assert float(line.split("difference ")[1].split()[0]) < 1e-12, line  # rounding alone
 
 
+@pytest.mark.slow  # make unit: test_pipeline_global checks replicas and clipping across stages, in seconds
 @pytest.mark.parametrize(
     "argv",
-    [["--schedule", "zb_h1", "--replicas", "2", "--clipnorm", "0.05"],
-     pytest.param(["--schedule", "zb_v", "--replicas", "2"], marks=pytest.mark.slow),
-     pytest.param(["--schedule", "1f1b", "--clipnorm", "0.05"], marks=pytest.mark.slow)],
+    [["--schedule", "zb_h1", "--replicas", "2", "--clipnorm", "0.05"], ["--schedule", "zb_v", "--replicas", "2"],
+     ["--schedule", "1f1b", "--clipnorm", "0.05"]],
 )  # fmt: skip
 def test_replicas_of_the_pipeline_and_clipping_across_stages_pass_check_in_float64(devs, capsys, argv):
     """2 replicas of a 2-stage pipeline on 4 devices (each stage's gradients all-reduced among its 2 devices), the
@@ -145,6 +146,7 @@ def test_a_default_run_prints_the_bubble_and_no_speed_on_logical_devices_and_wri
     assert 0 <= metrics["test_accuracy"] <= 1 and metrics["images_per_second"] > 0
 
 
+@pytest.mark.slow
 def test_on_devices_that_can_show_speed_it_times_the_naive_split_and_one_device_with_verdicts(
     devs, monkeypatch, capsys
 ):
