@@ -249,3 +249,22 @@ def test_bad_input():
         timeline.busy_fraction([])
     with pytest.raises(ValueError, match="no events"):
         timeline.plot([])
+
+
+def test_placement_after_a_run_that_raised_reads_only_its_own_graphs(devs):
+    with tf.device(devs[1]):
+        w = tf.Variable(tf.ones([4, 4]))
+
+    @tf.function(jit_compile=True)
+    def compiled():  # XLA will not read a variable of another device: the run raises
+        return tf.matmul(w, w)
+
+    def fails():
+        with tf.device(devs[0]):
+            return compiled()
+
+    with pytest.raises(tf.errors.InvalidArgumentError):
+        timeline.placement(fails)
+    rows = timeline.placement(lambda: tf.add(tf.constant(1.0), 1.0, name="only_this"))
+    assert "only_this" in {name for name, _, _ in rows}
+    assert not [row for row in rows if "Call" in row[1]], rows  # the failed run's call is not read here
